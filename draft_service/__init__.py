@@ -1,0 +1,1 @@
+"""Draft service: proposes token blocks from the small model."""

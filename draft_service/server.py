@@ -1,0 +1,24 @@
+"""Builds and runs the draft service."""
+
+from __future__ import annotations
+
+from draft_service.engine import DraftEngine
+from draft_service.servicer import DraftServicer
+from protos.specmesh.v1 import draft_pb2, draft_pb2_grpc
+from specmesh.config import DraftConfig
+from specmesh.engine.build import build_engine_parts
+from specmesh.grpc_server import ServiceServer
+
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
+
+
+def build_draft(config: DraftConfig) -> tuple[ServiceServer, DraftEngine]:
+    parts = build_engine_parts(config.engine)
+    engine = DraftEngine(parts.runner, parts.block_manager, parts.max_model_len,
+                         config.engine.max_num_batched_tokens, config.engine.max_num_seqs,
+                         config.engine.max_queue_len, config.engine.num_threads)
+    servicer = DraftServicer(engine, parts.loaded.model.config.vocab_size, config.max_draft_tokens,
+                             config.max_q_entries)
+    server = ServiceServer([SERVICE_NAME], lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s))
+    engine.start()
+    return server, engine

@@ -1,0 +1,1 @@
+"""specmesh gateway: client-facing gRPC front end (streaming, detokenization, stop handling)."""

@@ -1,0 +1,156 @@
+"""Public `Generation` servicer: validate, run the rounds, stream UTF-8-safe text, map errors to status codes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from transformers import PreTrainedTokenizerBase
+
+from gateway.drafters import ModelDrafter
+from gateway.round_loop import Generation, RoundOutput
+from gateway.text_stream import TextStream
+from gateway.validation import GenerationParams, validate_request
+from protos.specmesh.v1 import common_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, verifier_pb2_grpc
+from specmesh.config import GatewayConfig
+from specmesh.engine.loop import EngineError
+from specmesh.grpc_server import status_code
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+
+@dataclass
+class _Progress:
+    """What a request has produced so far (plain ints), for stop handling and usage."""
+
+    num_tokens: int = 0
+    num_rounds: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    cached_prompt_tokens: int = 0
+
+
+class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+    def __init__(self, config: GatewayConfig, tokenizer: PreTrainedTokenizerBase, model: ModelInfo,
+                 verifier: verifier_pb2_grpc.VerifierStub, draft: draft_pb2_grpc.DraftStub | None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model = model
+        self.verifier = verifier
+        self.draft = draft
+        self._cleanups: set[asyncio.Task[None]] = set()
+
+    async def Generate(self, request: generate_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        async for response in self._run(request, context):
+            yield response
+
+    async def Complete(self, request: generate_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> generate_pb2.CompleteResponse:
+        out = generate_pb2.CompleteResponse()
+        async for response in self._run(request, context):
+            out.request_id = response.request_id
+            out.text += response.text
+            out.token_ids.extend(response.token_ids)
+            out.finish_reason = response.finish_reason
+            if response.HasField("usage"):
+                out.usage.CopyFrom(response.usage)
+        return out
+
+    async def _run(self, request: generate_pb2.GenerateRequest,
+                   context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        try:
+            params = validate_request(request, self.tokenizer, self.config, self.model.max_model_len,
+                                      uuid.uuid4().hex)
+        except EngineError as exc:
+            await context.abort(status_code(exc.code), str(exc))
+        generation = self._new_generation(params, context)
+        try:
+            async for response in self._stream(params, generation):
+                yield response
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(exc.code(), f"verifier: {exc.details()}")
+        finally:
+            # A cancelled client must still release its KV blocks: run the cleanup as its own task.
+            task = asyncio.ensure_future(generation.close())
+            self._cleanups.add(task)
+            task.add_done_callback(self._cleanups.discard)
+
+    def _new_generation(self, params: GenerationParams, context: grpc.aio.ServicerContext) -> Generation:
+        session_id = f"{params.request_id}-{uuid.uuid4().hex[:8]}"
+        remaining = context.time_remaining()
+        verifier_timeout = min(self.config.verifier_timeout_s, remaining) if remaining else \
+            self.config.verifier_timeout_s
+        drafter = None
+        if self.draft is not None and params.num_draft_tokens > 0:
+            drafter = ModelDrafter(self.draft, session_id, params.sampling,
+                                   min(self.config.draft_timeout_s, verifier_timeout))
+        return Generation(params, session_id, self.verifier, drafter, verifier_timeout)
+
+    async def _stream(self, params: GenerationParams,
+                      generation: Generation) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        text = TextStream(self.tokenizer, params.stop, params.prompt_ids)
+        progress = _Progress()
+        async for out in generation.rounds():
+            progress.cached_prompt_tokens = generation.num_cached_prompt_tokens
+            tokens = self._accept_tokens(params, out, progress)
+            delta, stopped = text.push(tokens)
+            if stopped:
+                tokens = tokens[: max(0, text.num_tokens_consumed - (progress.num_tokens - len(tokens)))]
+                progress.num_tokens = text.num_tokens_consumed
+                progress.finish_reason = common_pb2.FINISH_REASON_STOP_STRING
+            elif progress.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                delta += text.finish()
+            response = generate_pb2.GenerateResponse(request_id=params.request_id, text=delta, token_ids=tokens,
+                                                     round=self._round_stats(out))
+            if progress.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                response.finish_reason = progress.finish_reason
+                response.usage.CopyFrom(self._usage(params, progress))
+                yield response
+                return
+            if delta or tokens:
+                yield response
+
+    def _accept_tokens(self, params: GenerationParams, out: RoundOutput, progress: _Progress) -> list[int]:
+        """Cut a round's verified tokens at eos / max_new_tokens and record progress."""
+        if out.round > 0:
+            progress.num_rounds += 1
+            progress.num_drafted += out.num_drafted
+            progress.num_accepted += out.num_accepted
+        tokens: list[int] = []
+        for token in out.token_ids:
+            if not params.ignore_eos and token in self.model.eos_token_ids:
+                progress.finish_reason = common_pb2.FINISH_REASON_STOP
+                break
+            tokens.append(token)
+            if progress.num_tokens + len(tokens) >= params.max_new_tokens:
+                progress.finish_reason = common_pb2.FINISH_REASON_LENGTH
+                break
+        progress.num_tokens += len(tokens)
+        return tokens
+
+    @staticmethod
+    def _round_stats(out: RoundOutput) -> generate_pb2.RoundStats:
+        return generate_pb2.RoundStats(round=out.round, num_drafted=out.num_drafted, num_accepted=out.num_accepted,
+                                       draft_source=out.draft_source)
+
+    @staticmethod
+    def _usage(params: GenerationParams, progress: _Progress) -> generate_pb2.Usage:
+        rate = progress.num_accepted / progress.num_drafted if progress.num_drafted else 0.0
+        per_round = (progress.num_accepted + progress.num_rounds) / progress.num_rounds if progress.num_rounds else 0.0
+        return generate_pb2.Usage(prompt_tokens=len(params.prompt_ids), completion_tokens=progress.num_tokens,
+                                  num_rounds=progress.num_rounds, num_drafted_tokens=progress.num_drafted,
+                                  num_accepted_tokens=progress.num_accepted, acceptance_rate=rate,
+                                  mean_tokens_per_round=per_round)

@@ -1,0 +1,87 @@
+"""Validation of public requests: every rejection is INVALID_ARGUMENT with a message naming the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from protos.specmesh.v1 import generate_pb2
+from specmesh.config import GatewayConfig
+from specmesh.engine.loop import EngineError
+from specmesh.proto_convert import sampling_from_proto
+from specmesh.sampling import SamplingParams
+
+CHAT_ROLES = ("system", "user", "assistant")
+MAX_REQUEST_ID_LEN = 128
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    num_draft_tokens: int
+    ignore_eos: bool
+
+
+def invalid(message: str) -> EngineError:
+    return EngineError("INVALID_ARGUMENT", message)
+
+
+def _prompt_text(request: generate_pb2.GenerateRequest, tokenizer: PreTrainedTokenizerBase,
+                 config: GatewayConfig) -> str:
+    if request.prompt and request.messages:
+        raise invalid("set either prompt or messages, not both")
+    if request.messages:
+        for i, msg in enumerate(request.messages):
+            if msg.role not in CHAT_ROLES:
+                raise invalid(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {msg.role!r}")
+        total = sum(len(m.content) for m in request.messages)
+        if total > config.max_prompt_chars:
+            raise invalid(f"messages hold {total} characters; the limit is {config.max_prompt_chars}")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise invalid("messages: the model has no chat template; send a plain prompt")
+        chat = [{"role": m.role, "content": m.content} for m in request.messages]
+        return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    if not request.prompt.strip():
+        raise invalid("prompt must not be empty")
+    if len(request.prompt) > config.max_prompt_chars:
+        raise invalid(f"prompt has {len(request.prompt)} characters; the limit is {config.max_prompt_chars}")
+    return request.prompt
+
+
+def _stop_strings(request: generate_pb2.GenerateRequest, config: GatewayConfig) -> tuple[str, ...]:
+    if len(request.stop) > config.max_stop_strings:
+        raise invalid(f"stop has {len(request.stop)} strings; the limit is {config.max_stop_strings}")
+    for i, s in enumerate(request.stop):
+        if not s:
+            raise invalid(f"stop[{i}] must not be empty")
+        if len(s) > config.max_stop_string_len:
+            raise invalid(f"stop[{i}] is longer than {config.max_stop_string_len} characters")
+    return tuple(request.stop)
+
+
+def validate_request(request: generate_pb2.GenerateRequest, tokenizer: PreTrainedTokenizerBase,
+                     config: GatewayConfig, max_model_len: int, default_request_id: str) -> GenerationParams:
+    if len(request.request_id) > MAX_REQUEST_ID_LEN:
+        raise invalid(f"request_id must be at most {MAX_REQUEST_ID_LEN} characters")
+    sampling = sampling_from_proto(request.sampling)
+    max_new_tokens = request.max_new_tokens or config.default_max_new_tokens
+    if max_new_tokens > config.max_new_tokens_limit:
+        raise invalid(f"max_new_tokens must be <= {config.max_new_tokens_limit}, got {max_new_tokens}")
+    num_draft = request.num_draft_tokens if request.HasField("num_draft_tokens") else config.num_draft_tokens
+    if num_draft > config.max_draft_tokens:
+        raise invalid(f"num_draft_tokens must be <= {config.max_draft_tokens}, got {num_draft}")
+    stop = _stop_strings(request, config)
+    text = _prompt_text(request, tokenizer, config)
+    prompt_ids = tokenizer(text, add_special_tokens=not request.messages)["input_ids"]
+    if not prompt_ids:
+        raise invalid("prompt encodes to zero tokens")
+    if len(prompt_ids) + max_new_tokens > max_model_len:
+        raise invalid(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                      f"model's context length ({max_model_len})")
+    return GenerationParams(request.request_id or default_request_id, list(prompt_ids), sampling, max_new_tokens,
+                            stop, num_draft, request.ignore_eos)

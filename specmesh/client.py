@@ -1,0 +1,32 @@
+"""A small Python client for the public API (used by `specmesh generate`, the benchmark and the tests)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from protos.specmesh.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+
+
+def make_request(prompt: str = "", *, messages: Sequence[tuple[str, str]] = (), max_new_tokens: int = 0,
+                 temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0, seed: int | None = None,
+                 stop: Sequence[str] = (), num_draft_tokens: int | None = None,
+                 ignore_eos: bool = False) -> generate_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    if seed is not None:
+        sampling.seed = seed
+    request = generate_pb2.GenerateRequest(
+        prompt=prompt, messages=[generate_pb2.ChatMessage(role=r, content=c) for r, c in messages],
+        sampling=sampling, max_new_tokens=max_new_tokens, stop=list(stop), ignore_eos=ignore_eos)
+    if num_draft_tokens is not None:
+        request.num_draft_tokens = num_draft_tokens
+    return request
+
+
+async def stream(addr: str, request: generate_pb2.GenerateRequest,
+                 timeout_s: float | None = None) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    async with grpc.aio.insecure_channel(addr) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        async for response in stub.Generate(request, timeout=timeout_s):
+            yield response

@@ -1,0 +1,133 @@
+"""Service configuration: frozen dataclasses built once at start-up. Environment variables are read here only.
+
+Every field can be set with an environment variable `SPECMESH_<SERVICE>_<FIELD>` (e.g. `SPECMESH_VERIFIER_PORT`)
+or a command-line flag of the same name (`--port`); flags win over the environment, which wins over defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar, get_type_hints
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    otlp_endpoint: str = ""            # e.g. "http://jaeger:4317"; empty = no OTLP export
+    trace_file: str = ""               # JSON-lines span file used when no OTLP endpoint is set ("" = off)
+    metrics_port: int = 0              # Prometheus /metrics port; 0 = off
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny-target"         # HF directory, .gguf file, or a preset (see `specmesh models list`)
+    dtype: str = "float32"             # float32 keeps greedy speculation exact (see README: numerics)
+    num_threads: int = 1               # torch threads for this service
+    block_size: int = 16               # tokens per KV block
+    kv_cache_memory_mb: int = 512      # KV pool budget (the CPU analogue of --gpu-memory-utilization)
+    max_num_batched_tokens: int = 512  # token budget of one forward (chunked prefill beyond it)
+    max_num_seqs: int = 64             # sessions held at once
+    max_queue_len: int = 256           # waiting work items before RESOURCE_EXHAUSTED
+    max_model_len: int = 0             # 0 = the model's own context length
+    cache_dir: str = ""                # model cache; "" = $SPECMESH_CACHE_DIR or ~/.cache/specmesh
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    host: str = "127.0.0.1"
+    port: int = 50061
+    engine: EngineConfig = EngineConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    host: str = "127.0.0.1"
+    port: int = 50062
+    engine: EngineConfig = EngineConfig(model="tiny-draft", kv_cache_memory_mb=256)
+    max_q_entries: int = 32            # sparse draft distribution size sent per drafted token
+    max_draft_tokens: int = 16
+    telemetry: TelemetryConfig = TelemetryConfig()
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    verifier_addr: str = "127.0.0.1:50061"
+    draft_addr: str = "127.0.0.1:50062"   # "" = no draft service (target-only)
+    tokenizer: str = ""                    # model reference for the tokenizer; "" = the verifier's model
+    num_draft_tokens: int = 4              # default draft length per round
+    max_draft_tokens: int = 16             # largest per-request draft length accepted
+    default_max_new_tokens: int = 256
+    max_new_tokens_limit: int = 4096
+    max_prompt_chars: int = 200_000
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 256
+    draft_timeout_s: float = 5.0           # a slower draft round falls back to target-only for that round
+    verifier_timeout_s: float = 120.0
+    cache_dir: str = ""
+    telemetry: TelemetryConfig = TelemetryConfig()
+
+
+def _convert(value: str, typ: Any) -> Any:
+    if typ is bool:
+        return value.lower() in ("1", "true", "yes", "on")
+    return typ(value)
+
+
+def _flat_fields(cls: type, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted name, type) of every leaf field; nested dataclasses are flattened without their own prefix."""
+    hints = get_type_hints(cls)
+    out: list[tuple[str, Any]] = []
+    for f in fields(cls):
+        typ = hints[f.name]
+        if dataclasses.is_dataclass(typ):
+            out.extend((f"{f.name}.{name}", t) for name, t in _flat_fields(typ))
+        else:
+            out.append((f.name, typ))
+    return out
+
+
+def _build(cls: type[T], values: Mapping[str, Any], base: T) -> T:
+    changes: dict[str, Any] = {}
+    for f in fields(cls):  # type: ignore[arg-type]
+        current = getattr(base, f.name)
+        if dataclasses.is_dataclass(current):
+            nested = {k.split(".", 1)[1]: v for k, v in values.items() if k.startswith(f.name + ".")}
+            changes[f.name] = _build(type(current), nested, current)
+        elif f.name in values:
+            changes[f.name] = values[f.name]
+    return dataclasses.replace(base, **changes)  # type: ignore[type-var]
+
+
+def load_config(cls: type[T], service: str, argv: Sequence[str] | None = None,
+                env: Mapping[str, str] | None = None, base: T | None = None) -> T:
+    """Defaults <- SPECMESH_<SERVICE>_<FIELD> environment <- --field command-line flags."""
+    env = os.environ if env is None else env
+    base = cls() if base is None else base
+    parser = argparse.ArgumentParser(prog=f"specmesh {service}")
+    values: dict[str, Any] = {}
+    types = dict(_flat_fields(cls))
+    for dotted, typ in types.items():
+        leaf = dotted.rsplit(".", 1)[-1]
+        env_name = f"SPECMESH_{service.upper()}_{leaf.upper()}"
+        if env_name in env:
+            try:
+                values[dotted] = _convert(env[env_name], typ)
+            except ValueError as exc:
+                raise SystemExit(f"invalid value for {env_name}: {env[env_name]!r} ({exc})") from None
+        parser.add_argument(f"--{leaf.replace('_', '-')}", dest=dotted, default=None, help=f"env {env_name}")
+    if argv is not None:
+        for dotted, raw in vars(parser.parse_args(list(argv))).items():
+            if raw is not None:
+                try:
+                    values[dotted] = _convert(raw, types[dotted])
+                except ValueError as exc:
+                    parser.error(f"--{dotted.rsplit('.', 1)[-1]}: {exc}")
+    return _build(cls, values, base)

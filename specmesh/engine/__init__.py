@@ -1,0 +1,1 @@
+"""Serving engine: KV block management, scheduling and model runners."""

@@ -1,0 +1,62 @@
+"""The engine step shared by the verifier and the draft service: schedule -> forward -> postprocess."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from specmesh.engine.block_manager import BlockManager
+from specmesh.engine.loop import EngineError, EngineThread
+from specmesh.engine.model_runner import ForwardItem, ModelRunner
+from specmesh.engine.scheduler import ForwardRequest, ScheduledItem, Scheduler, SeqState
+
+
+class BatchedEngine(EngineThread):
+    """Subclasses say which sequences are idle (preemptible) and what to do with each finished request's logits."""
+
+    def __init__(self, name: str, runner: ModelRunner, block_manager: BlockManager, max_num_batched_tokens: int,
+                 max_num_seqs: int, num_threads: int) -> None:
+        super().__init__(name, num_threads)
+        self.runner = runner
+        self.block_manager = block_manager
+        self.scheduler = Scheduler(block_manager, max_num_batched_tokens, max_num_seqs)
+        self.num_steps = 0
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting)
+
+    def idle_seqs(self) -> Iterable[SeqState]:
+        raise NotImplementedError
+
+    def finish(self, request: ForwardRequest, logits: torch.Tensor) -> None:
+        """logits [num_logits, V] of a request whose tokens all ran."""
+        raise NotImplementedError
+
+    def fail(self, request: ForwardRequest, exc: EngineError) -> None:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        batch, unfit = self.scheduler.schedule(self.idle_seqs)
+        for request in unfit:
+            self.fail(request, EngineError("RESOURCE_EXHAUSTED", "the sequence does not fit in the KV cache"))
+        if not batch:
+            return
+        all_logits = self.runner.forward([self._forward_item(item) for item in batch])
+        self.num_steps += 1
+        for item, logits in zip(batch, all_logits, strict=True):
+            if item.is_final:
+                self.finish(item.request, logits)
+            else:
+                item.request.seq.num_computed += len(item.token_ids)
+
+    def _forward_item(self, item: ScheduledItem) -> ForwardItem:
+        end = item.start_pos + len(item.token_ids)
+        kv_slots = self.block_manager.slot_mapping(item.request.seq.seq_id, 0, end)
+        return ForwardItem(item.token_ids, item.start_pos, kv_slots, item.request.num_logits if item.is_final else 0)
+
+    def fail_all(self, exc: BaseException) -> None:
+        error = exc if isinstance(exc, EngineError) else EngineError("INTERNAL", str(exc))
+        for request in list(self.scheduler.waiting):
+            self.fail(request, error)
+        self.scheduler.waiting.clear()

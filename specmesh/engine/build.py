@@ -1,0 +1,49 @@
+"""Builds a model engine's parts from an `EngineConfig` (shared by the verifier and the draft service)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specmesh.config import EngineConfig
+from specmesh.engine.block_manager import BlockManager
+from specmesh.engine.model_runner import ModelRunner, kv_cache_geometry
+from specmesh.engine.paged_attention import PagedKVCache
+from specmesh.models import LoadedModel, load_model
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    loaded: LoadedModel
+    runner: ModelRunner
+    block_manager: BlockManager
+    max_model_len: int
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    if config.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+    torch.set_num_threads(config.num_threads)
+    cache_dir = Path(config.cache_dir) if config.cache_dir else None
+    loaded = load_model(config.model, dtype=DTYPES[config.dtype], cache_dir=cache_dir)
+    num_layers, num_kv_heads, head_dim = kv_cache_geometry(loaded.model)
+    per_block = PagedKVCache.bytes_per_block(num_layers, config.block_size, num_kv_heads, head_dim,
+                                             DTYPES[config.dtype])
+    num_blocks = config.kv_cache_memory_mb * 2**20 // per_block
+    if num_blocks < 2:
+        raise ValueError(f"kv_cache_memory_mb={config.kv_cache_memory_mb} holds {num_blocks} blocks of "
+                         f"{per_block} bytes; raise it")
+    max_model_len = loaded.max_model_len
+    if config.max_model_len:
+        max_model_len = min(max_model_len, config.max_model_len)
+    log.info("%s: %d KV blocks x %d tokens (%d MiB), max_model_len %d", config.model, num_blocks,
+             config.block_size, num_blocks * per_block // 2**20, max_model_len)
+    runner = ModelRunner(loaded.model, num_blocks, config.block_size)
+    return EngineParts(loaded, runner, BlockManager(num_blocks, config.block_size), max_model_len)

@@ -1,0 +1,108 @@
+"""A model engine on its own thread: asyncio callers submit work items and await futures.
+
+Model work never runs on the event loop. The engine thread wakes when work arrives, runs one `step()` (one batched
+forward), resolves the futures of the items that finished, and sleeps when there is nothing to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(Exception):
+    """An error to report to the caller with a gRPC status name (e.g. 'RESOURCE_EXHAUSTED', 'NOT_FOUND')."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Completion:
+    """The asyncio side of one work item, resolved from the engine thread."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.future: asyncio.Future[Any] = self._loop.create_future()
+
+    def _set(self, fn: Callable[[], None]) -> None:
+        if not self.future.done():
+            fn()
+
+    def set_result(self, value: Any) -> None:
+        self._loop.call_soon_threadsafe(self._set, lambda: self.future.set_result(value))
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._loop.call_soon_threadsafe(self._set, lambda: self.future.set_exception(exc))
+
+
+class EngineThread:
+    """Owns all engine state on one thread. Other threads only `post()` messages to its inbox.
+
+    Subclasses implement `handle(message)` (apply a submitted message to the state), `has_work()` and `step()`.
+    Because only the engine thread touches the state, no lock is held during a forward and the event loop never
+    waits on the model.
+    """
+
+    def __init__(self, name: str, num_threads: int) -> None:
+        self._name = name
+        self._num_threads = num_threads
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._inbox.put(None)
+        self._thread.join(timeout=30)
+
+    def post(self, message: Any) -> None:
+        self._inbox.put(message)
+
+    def handle(self, message: Any) -> None:
+        raise NotImplementedError
+
+    def has_work(self) -> bool:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Fail every pending item (after a crash of step())."""
+        raise NotImplementedError
+
+    def _drain(self, block: bool) -> None:
+        message = self._inbox.get() if block else self._inbox.get_nowait()
+        while True:
+            if message is not None:
+                self.handle(message)
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        import torch
+
+        torch.set_num_threads(self._num_threads)
+        while not self._stopped.is_set():
+            with contextlib.suppress(queue.Empty):
+                self._drain(block=not self.has_work())
+            if self._stopped.is_set() or not self.has_work():
+                continue
+            try:
+                self.step()
+            except Exception as exc:  # a bug must not hang every caller
+                log.exception("%s step failed", self._name)
+                self.fail_all(EngineError("INTERNAL", f"engine step failed: {exc}"))

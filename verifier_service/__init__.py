@@ -1,0 +1,1 @@
+"""Verifier service: the target model over a paged KV cache."""

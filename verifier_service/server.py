@@ -1,0 +1,25 @@
+"""Builds and runs the verifier service."""
+
+from __future__ import annotations
+
+from protos.specmesh.v1 import verifier_pb2, verifier_pb2_grpc
+from specmesh.config import VerifierConfig
+from specmesh.engine.build import build_engine_parts
+from specmesh.grpc_server import ServiceServer
+from verifier_service.engine import VerifierEngine
+from verifier_service.servicer import VerifierServicer
+
+SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+
+
+def build_verifier(config: VerifierConfig) -> tuple[ServiceServer, VerifierEngine]:
+    parts = build_engine_parts(config.engine)
+    engine = VerifierEngine(parts.runner, parts.block_manager, parts.max_model_len,
+                            config.engine.max_num_batched_tokens, config.engine.max_num_seqs,
+                            config.engine.max_queue_len, config.engine.num_threads)
+    servicer = VerifierServicer(engine, parts.loaded.name, parts.loaded.model.config.vocab_size,
+                                parts.loaded.eos_token_ids)
+    server = ServiceServer([SERVICE_NAME],
+                           lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s))
+    engine.start()
+    return server, engine

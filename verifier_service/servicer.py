@@ -1,0 +1,63 @@
+"""Thin gRPC servicer of the verifier: validate, delegate to the engine, map errors to status codes."""
+
+from __future__ import annotations
+
+import grpc
+
+from protos.specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from specmesh.engine.loop import EngineError
+from specmesh.grpc_server import status_code
+from specmesh.proto_convert import sampling_from_proto, sparse_dists_from_proto
+from verifier_service.engine import VerifierEngine
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, engine: VerifierEngine, model_name: str, vocab_size: int,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+
+    def _check_ids(self, ids: list[int], field: str) -> None:
+        bad = [t for t in ids if t >= self.vocab_size]
+        if bad:
+            raise EngineError("INVALID_ARGUMENT", f"{field}: token id {bad[0]} >= vocab size {self.vocab_size}")
+
+    async def StartSession(self, request: verifier_pb2.StartSessionRequest,
+                           context: grpc.aio.ServicerContext) -> verifier_pb2.StartSessionResponse:
+        try:
+            if not request.session_id:
+                raise EngineError("INVALID_ARGUMENT", "session_id is required")
+            prompt_ids = list(request.prompt_token_ids)
+            self._check_ids(prompt_ids, "prompt_token_ids")
+            params = sampling_from_proto(request.sampling)
+            result = await self.engine.start_session(request.session_id, prompt_ids, params).future
+        except EngineError as exc:
+            await context.abort(status_code(exc.code), str(exc))
+        return verifier_pb2.StartSessionResponse(first_token_id=result.token_ids[0],
+                                                 num_cached_prompt_tokens=result.num_cached_prompt_tokens)
+
+    async def Verify(self, request: verifier_pb2.VerifyRequest,
+                     context: grpc.aio.ServicerContext) -> verifier_pb2.VerifyResponse:
+        try:
+            draft_ids = list(request.draft_token_ids)
+            self._check_ids(draft_ids, "draft_token_ids")
+            dists = sparse_dists_from_proto(request.draft_dists, len(draft_ids), self.vocab_size)
+            result = await self.engine.verify(request.session_id, draft_ids, dists).future
+        except EngineError as exc:
+            await context.abort(status_code(exc.code), str(exc))
+        return verifier_pb2.VerifyResponse(num_accepted=result.num_accepted, token_ids=result.token_ids)
+
+    async def EndSession(self, request: common_pb2.EndSessionRequest,
+                         context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:
+        self.engine.end_session(request.session_id)
+        return common_pb2.EndSessionResponse()
+
+    async def GetModelInfo(self, request: verifier_pb2.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> verifier_pb2.ModelInfo:
+        bm = self.engine.block_manager
+        return verifier_pb2.ModelInfo(model_name=self.model_name, max_model_len=self.engine.max_model_len,
+                                      vocab_size=self.vocab_size, eos_token_ids=list(self.eos_token_ids),
+                                      block_size=bm.block_size, num_kv_blocks=bm.num_blocks,
+                                      num_free_kv_blocks=bm.num_free_blocks)
