@@ -1,0 +1,79 @@
+"""In-process stacks for the tests: verifier, draft service and gateway servers in one event loop.
+
+Each service's engine runs on its own thread exactly as in production; only the process boundary is missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from draft_service.engine import DraftEngine
+from draft_service.server import build_draft
+from gateway.server import build_gateway
+from specmesh.config import DraftConfig, EngineConfig, GatewayConfig, VerifierConfig
+from specmesh.grpc_server import ServiceServer
+from specmesh.models import resolve_model_dir
+from verifier_service.engine import VerifierEngine
+from verifier_service.server import build_verifier
+
+
+@dataclass
+class Running:
+    server: ServiceServer
+    port: int
+    engine: VerifierEngine | DraftEngine | None = None
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def stop(self) -> None:
+        await self.server.stop(0)
+        if self.engine is not None:
+            self.engine.stop()
+
+
+async def start_verifier(model: str = "tiny-target", **engine: object) -> Running:
+    config = VerifierConfig(port=0, engine=dataclasses.replace(EngineConfig(model=model, kv_cache_memory_mb=16),
+                                                               **engine))
+    server, eng = build_verifier(config)
+    return Running(server, await server.start("127.0.0.1", 0), eng)
+
+
+async def start_draft(model: str = "tiny-draft", **engine: object) -> Running:
+    config = DraftConfig(port=0, engine=dataclasses.replace(EngineConfig(model=model, kv_cache_memory_mb=16),
+                                                            **engine))
+    server, eng = build_draft(config)
+    return Running(server, await server.start("127.0.0.1", 0), eng)
+
+
+async def start_gateway(verifier_addr: str, draft_addr: str, **overrides: object) -> Running:
+    config = GatewayConfig(port=0, verifier_addr=verifier_addr, draft_addr=draft_addr, **overrides)
+    server = await build_gateway(config, wait_for_verifier_s=30)
+    return Running(server, await server.start("127.0.0.1", 0))
+
+
+_REFERENCE_MODELS: dict[str, torch.nn.Module] = {}
+
+
+@torch.inference_mode()
+def reference_greedy(prompt_ids: list[int], max_new_tokens: int, model_ref: str = "tiny-target") -> list[int]:
+    """Target-only greedy decoding with plain transformers (sdpa + DynamicCache), independent of specmesh's engine."""
+    if model_ref not in _REFERENCE_MODELS:
+        path = resolve_model_dir(model_ref)
+        _REFERENCE_MODELS[model_ref] = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = _REFERENCE_MODELS[model_ref]
+    cache = DynamicCache(config=model.config)
+    input_ids = torch.tensor([prompt_ids])
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=input_ids, cache=cache, use_cache=True).logits[0, -1]
+        token = int(torch.argmax(logits))
+        out.append(token)
+        input_ids = torch.tensor([[token]])
+    return out
