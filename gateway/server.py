@@ -11,17 +11,14 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from gateway.servicer import GenerationServicer, ModelInfo
 from protos.specmesh.v1 import draft_pb2_grpc, generate_pb2, generate_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from specmesh.channels import internal_channel
 from specmesh.config import GatewayConfig
-from specmesh.grpc_server import MAX_MESSAGE_BYTES, ServiceServer
+from specmesh.grpc_server import ServiceServer
 from specmesh.models import resolve_model_dir
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
 
 
 async def fetch_model_info(stub: verifier_pb2_grpc.VerifierStub, wait_s: float) -> verifier_pb2.ModelInfo:
@@ -42,13 +39,12 @@ def load_tokenizer(ref: str, cache_dir: str) -> PreTrainedTokenizerBase:
 
 
 async def build_gateway(config: GatewayConfig, wait_for_verifier_s: float = 600.0) -> ServiceServer:
-    verifier_channel = grpc.aio.insecure_channel(config.verifier_addr, options=CHANNEL_OPTIONS)
-    verifier = verifier_pb2_grpc.VerifierStub(verifier_channel)
+    verifier = verifier_pb2_grpc.VerifierStub(internal_channel(config.verifier_addr))
     info = await fetch_model_info(verifier, wait_for_verifier_s)
     tokenizer = load_tokenizer(config.tokenizer or info.model_name, config.cache_dir)
     draft = None
     if config.draft_addr:
-        draft = draft_pb2_grpc.DraftStub(grpc.aio.insecure_channel(config.draft_addr, options=CHANNEL_OPTIONS))
+        draft = draft_pb2_grpc.DraftStub(internal_channel(config.draft_addr))
     model = ModelInfo(info.model_name, info.max_model_len, frozenset(info.eos_token_ids))
     servicer = GenerationServicer(config, tokenizer, model, verifier, draft)
     log.info("gateway for %s (context %d, draft %s)", info.model_name, info.max_model_len, config.draft_addr or "off")
