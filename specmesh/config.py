@@ -30,6 +30,7 @@ class EngineConfig:
     num_threads: int = 1               # torch threads for this service
     block_size: int = 16               # tokens per KV block
     kv_cache_memory_mb: int = 512      # KV pool budget (the CPU analogue of --gpu-memory-utilization)
+    num_kv_blocks: int = 0             # exact pool size in blocks; 0 = derive from kv_cache_memory_mb
     max_num_batched_tokens: int = 512  # token budget of one forward (chunked prefill beyond it)
     max_num_seqs: int = 64             # sessions held at once
     max_queue_len: int = 256           # waiting work items before RESOURCE_EXHAUSTED

@@ -36,7 +36,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     num_layers, num_kv_heads, head_dim = kv_cache_geometry(loaded.model)
     per_block = PagedKVCache.bytes_per_block(num_layers, config.block_size, num_kv_heads, head_dim,
                                              DTYPES[config.dtype])
-    num_blocks = config.kv_cache_memory_mb * 2**20 // per_block
+    num_blocks = config.num_kv_blocks or config.kv_cache_memory_mb * 2**20 // per_block
     if num_blocks < 2:
         raise ValueError(f"kv_cache_memory_mb={config.kv_cache_memory_mb} holds {num_blocks} blocks of "
                          f"{per_block} bytes; raise it")

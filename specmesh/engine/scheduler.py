@@ -51,6 +51,7 @@ class Scheduler:
     max_num_batched_tokens: int
     max_num_seqs: int
     waiting: list[ForwardRequest] = field(default_factory=list)
+    num_preemptions: int = 0
 
     def schedule(self, idle_seqs: Callable[[], Iterable[SeqState]]) -> tuple[list[ScheduledItem], list[ForwardRequest]]:
         """Returns (items for this forward, requests that can never fit and must fail)."""
@@ -108,6 +109,7 @@ class Scheduler:
         seq.allocated = False
         seq.num_computed = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
 
     def commit(self, seq: SeqState) -> None:
         """After a forward: drop KV slots past num_computed (rejected drafts) and hash verified full blocks."""

@@ -1,0 +1,104 @@
+"""The paged verifier under pressure: preemption, chunked prefill, prefix sharing, admission control."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from transformers import AutoTokenizer
+
+from protos.specmesh.v1 import verifier_pb2, verifier_pb2_grpc
+from specmesh.engine.loop import EngineError
+from specmesh.models import resolve_model_dir
+from specmesh.sampling import SamplingParams
+from tests.stack import reference_greedy, start_draft, start_gateway, start_verifier
+from tests.test_e2e_greedy import PROMPTS, generate, wait_blocks_free
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(str(resolve_model_dir("tiny-target")))
+
+
+async def test_preemption_when_blocks_run_out_keeps_outputs_exact(tokenizer) -> None:
+    """24 blocks of 4 tokens cannot hold 6 sessions of ~40 tokens: sessions are preempted and recomputed."""
+    verifier = await start_verifier(num_kv_blocks=24, block_size=4)
+    draft = await start_draft()
+    gateway = await start_gateway(verifier.addr, draft.addr)
+    try:
+        prompts = PROMPTS[:6]
+        expected = [reference_greedy(tokenizer(p)["input_ids"], 28) for p in prompts]
+        results = await asyncio.gather(*[generate(gateway.addr, p, max_new_tokens=28, ignore_eos=True,
+                                                  num_draft_tokens=3) for p in prompts])
+        assert [ids for ids, _, _ in results] == expected
+        assert verifier.engine.scheduler.num_preemptions > 0
+        await wait_blocks_free(verifier)
+        assert verifier.engine.block_manager.num_free_blocks == 24
+    finally:
+        for running in (gateway, draft, verifier):
+            await running.stop()
+
+
+async def test_chunked_prefill_and_prefix_sharing(tokenizer) -> None:
+    """A prompt longer than the token budget is prefilled in chunks; a repeated prompt reuses cached blocks."""
+    verifier = await start_verifier(max_num_batched_tokens=8, block_size=4)
+    gateway = await start_gateway(verifier.addr, "")
+    try:
+        prompt = PROMPTS[5] + " " + PROMPTS[3]
+        expected = reference_greedy(tokenizer(prompt)["input_ids"], 12)
+        steps_before = verifier.engine.num_steps
+        ids, _, _ = await generate(gateway.addr, prompt, max_new_tokens=12, ignore_eos=True)
+        assert ids == expected
+        assert verifier.engine.num_steps - steps_before > len(tokenizer(prompt)["input_ids"]) // 8
+        async with grpc.aio.insecure_channel(verifier.addr) as channel:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            reply = await stub.StartSession(verifier_pb2.StartSessionRequest(
+                session_id="again", prompt_token_ids=tokenizer(prompt)["input_ids"]))
+            assert reply.num_cached_prompt_tokens >= 4 * ((len(tokenizer(prompt)["input_ids"]) - 1) // 4) - 4
+            assert reply.first_token_id == expected[0]
+        ids, _, _ = await generate(gateway.addr, prompt, max_new_tokens=12, ignore_eos=True)
+        assert ids == expected
+    finally:
+        for running in (gateway, verifier):
+            await running.stop()
+
+
+async def test_admission_control() -> None:
+    """A full queue answers RESOURCE_EXHAUSTED at once; a prompt larger than the whole pool fails the same way."""
+    verifier = await start_verifier(num_kv_blocks=4, block_size=4, max_queue_len=2)
+    engine = verifier.engine
+    try:
+        engine.stop()                               # freeze the engine thread: queue items stay queued
+        params = SamplingParams()
+        done = [engine.start_session(f"s{i}", [1, 2, 3], params) for i in range(3)]
+        for _ in range(3):
+            engine.handle(engine._inbox.get_nowait())
+        with pytest.raises(EngineError) as info:
+            await done[2].future
+        assert info.value.code == "RESOURCE_EXHAUSTED"
+        engine.scheduler.waiting.clear()
+        engine.sessions.clear()
+        big = engine.start_session("big", list(range(5, 40)), params)
+        engine.handle(engine._inbox.get_nowait())
+        engine.step()
+        with pytest.raises(EngineError) as info:
+            await big.future
+        assert info.value.code == "RESOURCE_EXHAUSTED" and "does not fit" in str(info.value)
+        assert engine.block_manager.num_free_blocks == 4
+    finally:
+        await verifier.server.stop(0)
+
+
+async def test_gateway_maps_resource_exhausted() -> None:
+    verifier = await start_verifier(num_kv_blocks=4, block_size=4)
+    gateway = await start_gateway(verifier.addr, "")
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await generate(gateway.addr, PROMPTS[5], max_new_tokens=4)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        ids, _, _ = await generate(gateway.addr, "a", max_new_tokens=4, ignore_eos=True)  # still serving
+        assert len(ids) == 4
+    finally:
+        for running in (gateway, verifier):
+            await running.stop()
