@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry.context import Context
 from transformers import PreTrainedTokenizerBase
 
 from gateway.drafters import ModelDrafter
+from gateway.request_telemetry import RequestTelemetry
 from gateway.round_loop import Generation, RoundOutput
 from gateway.text_stream import TextStream
+from gateway.tiers import DraftTiers, tenant_from_metadata
 from gateway.validation import GenerationParams, validate_request
 from protos.specmesh.v1 import common_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, verifier_pb2_grpc
 from specmesh.config import GatewayConfig
 from specmesh.engine.loop import EngineError
 from specmesh.grpc_server import status_code
+from specmesh.telemetry.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +49,11 @@ class _Progress:
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def __init__(self, config: GatewayConfig, tokenizer: PreTrainedTokenizerBase, model: ModelInfo,
-                 verifier: verifier_pb2_grpc.VerifierStub, draft: draft_pb2_grpc.DraftStub | None) -> None:
+                 verifier: verifier_pb2_grpc.VerifierStub, draft: draft_pb2_grpc.DraftStub | None,
+                 tiers: DraftTiers | None = None, metrics: GatewayMetrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics or GatewayMetrics()
+        self.tiers = tiers                          # cache / n-gram tiers in front of the draft service
         self.tokenizer = tokenizer
         self.model = model
         self.verifier = verifier
@@ -71,24 +79,31 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     async def _run(self, request: generate_pb2.GenerateRequest,
                    context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        telemetry = RequestTelemetry(self.metrics, self.model.name)   # the request id defaults to the trace id
         try:
             params = validate_request(request, self.tokenizer, self.config, self.model.max_model_len,
-                                      uuid.uuid4().hex)
+                                      telemetry.default_request_id)
         except EngineError as exc:
+            telemetry.fail(status_code(exc.code), str(exc))
             await context.abort(status_code(exc.code), str(exc))
-        generation = self._new_generation(params, context)
+        telemetry.started(params)
+        generation = self._new_generation(params, context, telemetry.context)
         try:
             async for response in self._stream(params, generation):
+                telemetry.on_response(response)
                 yield response
         except grpc.aio.AioRpcError as exc:
+            telemetry.fail(exc.code(), exc.details() or "")
             await context.abort(exc.code(), f"verifier: {exc.details()}")
         finally:
+            telemetry.end(sys.exc_info()[1])
             # A cancelled client must still release its KV blocks: run the cleanup as its own task.
             task = asyncio.ensure_future(generation.close())
             self._cleanups.add(task)
             task.add_done_callback(self._cleanups.discard)
 
-    def _new_generation(self, params: GenerationParams, context: grpc.aio.ServicerContext) -> Generation:
+    def _new_generation(self, params: GenerationParams, context: grpc.aio.ServicerContext,
+                        trace_context: Context | None = None) -> Generation:
         session_id = f"{params.request_id}-{uuid.uuid4().hex[:8]}"
         remaining = context.time_remaining()
         verifier_timeout = min(self.config.verifier_timeout_s, remaining) if remaining else \
@@ -97,7 +112,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if self.draft is not None and params.num_draft_tokens > 0:
             drafter = ModelDrafter(self.draft, session_id, params.sampling,
                                    min(self.config.draft_timeout_s, verifier_timeout))
-        return Generation(params, session_id, self.verifier, drafter, verifier_timeout)
+        if self.tiers is not None and params.num_draft_tokens > 0:
+            drafter = self.tiers.drafter(params, drafter, tenant_from_metadata(context.invocation_metadata()))
+        return Generation(params, session_id, self.verifier, drafter, verifier_timeout, trace_context)
 
     async def _stream(self, params: GenerationParams,
                       generation: Generation) -> AsyncIterator[generate_pb2.GenerateResponse]:
@@ -113,6 +130,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 progress.finish_reason = common_pb2.FINISH_REASON_STOP_STRING
             elif progress.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 delta += text.finish()
+                if text.stopped:                     # the stop string only completed in the held-back text
+                    progress.finish_reason = common_pb2.FINISH_REASON_STOP_STRING
             response = generate_pb2.GenerateResponse(request_id=params.request_id, text=delta, token_ids=tokens,
                                                      round=self._round_stats(out))
             if progress.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:

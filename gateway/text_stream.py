@@ -84,9 +84,7 @@ def _cleanup_applies(tokenizer: PreTrainedTokenizerBase) -> bool:
     if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return False
     model = getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)
-    forced = getattr(
-        tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False
-    )
+    forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
     return not (type(model).__name__ == "BPE" and not forced)
 
 

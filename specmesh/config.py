@@ -60,6 +60,7 @@ class DraftConfig:
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 50051
+    http_port: int = 0                     # OpenAI-compatible HTTP API (gateway/openai_http.py); 0 = off
     verifier_addr: str = "127.0.0.1:50061"
     draft_addr: str = "127.0.0.1:50062"   # "" = no draft service (target-only)
     tokenizer: str = ""                    # model reference for the tokenizer; "" = the verifier's model
@@ -70,9 +71,21 @@ class GatewayConfig:
     max_prompt_chars: int = 200_000
     max_stop_strings: int = 16
     max_stop_string_len: int = 256
-    draft_timeout_s: float = 5.0           # a slower draft round falls back to target-only for that round
+    draft_timeout_s: float = 30.0          # a slower draft call falls back to target-only for a few rounds
     verifier_timeout_s: float = 120.0
     cache_dir: str = ""
+    enable_cache: bool = True              # draft cache tier (kvstore): in-process unless redis_url is set
+    redis_url: str = ""                    # e.g. redis://redis:6379/0; "" = in-process cache
+    redis_cluster: bool = False            # redis_url names a Redis Cluster node
+    cache_secret: str = ""                 # HMAC key for cache key names; "" = random per process (no sharing)
+    cache_encryption_key: str = ""         # AES-GCM key (hex or base64) for cached values at rest; "" = plain
+    cache_scope: str = "tenant"            # "tenant" (x-specmesh-tenant metadata) or "shared" (opt-in)
+    cache_ttl_s: float = 86_400.0
+    cache_suffix_lens: str = "8,4,2"       # context suffix lengths keyed, longest looked up first
+    cache_read_timeout_s: float = 0.05     # a slower cache read is a miss
+    enable_ngram: bool = True              # prompt-lookup drafts from the request's own context
+    ngram_sizes: str = "4,3"
+    local_draft_tokens: int = 16           # longest cache / n-gram draft per round
     telemetry: TelemetryConfig = TelemetryConfig()
 
 
