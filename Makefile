@@ -31,6 +31,9 @@ test: install
 lint: install
 	$(BIN)/ruff check .
 
+validate-deploy: install
+	deploy/validate.sh
+
 bench: install
 	$(BIN)/python bench/run_workload.py --preset $(PRESET) --start-stack
 

@@ -9,10 +9,12 @@ import sys
 from draft_service.server import build_draft
 from specmesh.config import DraftConfig, load_config
 from specmesh.grpc_server import serve_until_signal
+from specmesh.telemetry.tracing import setup_tracing
 
 
 async def _main(argv: list[str]) -> None:
     config = load_config(DraftConfig, "draft", argv)
+    setup_tracing(config.telemetry, "specmesh-draft")
     server, engine = build_draft(config)
     await serve_until_signal(server, config.host, config.port, engine.stop)
 

@@ -1,13 +1,20 @@
 """The draft engine: proposes k tokens per session from the small model, batched across sessions.
 
-Each session keeps the verified context it was sent plus the tokens it proposed. A new Propose call carries the
-newly verified tokens; the session keeps the KV of its longest prefix that still matches the verified context
-(accepted drafts keep their KV), drops the rest, and drafts from there, one batched forward per draft position.
+Each session keeps the verified context it was sent plus the tokens it drafted beyond it (its "tail"). A new
+Propose call carries the newly verified tokens; the session keeps the KV of its longest prefix that still matches
+the verified context (accepted drafts keep their KV), drops the rest, and drafts from there, one batched forward per
+draft position.
+
+Draft-ahead: after answering with k tokens the session keeps drafting `lookahead` more in the background, assuming
+all k are accepted and the target's extra token equals the draft's own next guess. If the next verified context is
+a prefix of the tail, the already-drafted tokens are served without waiting for the model; otherwise they are
+discarded (stale). Tail tokens carry the q they were sampled from, so sampled drafts stay exact.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -26,20 +33,28 @@ from specmesh.sampling import SamplingParams, logits_to_probs, make_generator, s
 @dataclass
 class DraftSession:
     session_id: str
-    seq: SeqState
-    generator: torch.Generator
-    busy: bool = False
+    seq: SeqState                  # token_ids = verified context + drafted tail
+    base_seed: int                 # the draft's randomness at position i comes from (base_seed, i) alone
+    busy: bool = False             # a caller waits for this session's drafts
+    tail_dists: list[SparseDist | None] = field(default_factory=list)   # q of each tail token (None: greedy)
+    ahead: ForwardRequest | None = None                                  # background drafting in the queue
+
+
+@dataclass(frozen=True)
+class Drafts:
+    draft_ids: list[int]
+    draft_dists: list[SparseDist]  # empty for greedy drafts
 
 
 @dataclass
 class Proposal:
     session: DraftSession
-    num_draft_tokens: int
+    num_draft_tokens: int          # answer the caller once this many tail tokens exist
+    num_total_tokens: int          # keep drafting (in the background) up to this many
     params: SamplingParams
     max_q_entries: int
     done: Completion
-    draft_ids: list[int] = field(default_factory=list)
-    draft_dists: list[SparseDist] = field(default_factory=list)
+    answered: bool = False
 
 
 @dataclass(frozen=True)
@@ -51,11 +66,20 @@ class _Propose:
     params: SamplingParams
     max_q_entries: int
     done: Completion
+    num_ahead_tokens: int = 0
 
 
 @dataclass(frozen=True)
 class _End:
     session_id: str
+
+
+def position_seed(base_seed: int, position: int) -> int:
+    """A 63-bit seed mixed from a session seed and a token position (splitmix64 finalizer)."""
+    z = (base_seed + (position + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 1
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -67,9 +91,14 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 class DraftEngine(BatchedEngine):
+    trace_steps = False     # k one-token forwards per proposal: the Propose span covers them (metrics still kept)
+
     def __init__(self, runner: ModelRunner, block_manager: BlockManager, max_model_len: int,
-                 max_num_batched_tokens: int, max_num_seqs: int, max_queue_len: int, num_threads: int) -> None:
+                 max_num_batched_tokens: int, max_num_seqs: int, max_queue_len: int, num_threads: int,
+                 draft_ahead: bool = True) -> None:
         super().__init__("draft-engine", runner, block_manager, max_num_batched_tokens, max_num_seqs, num_threads)
+        self.draft_ahead = draft_ahead
+        self.num_ahead_hits = 0        # proposals answered (partly) from drafted-ahead tokens
         self.max_model_len = max_model_len
         self.max_queue_len = max_queue_len
         self.max_num_sessions = max_num_seqs * 4
@@ -78,9 +107,11 @@ class DraftEngine(BatchedEngine):
 
     # ---- called from the event loop ---------------------------------------------------------------------------
     def propose(self, session_id: str, context_len: int, new_token_ids: list[int], num_draft_tokens: int,
-                params: SamplingParams, max_q_entries: int) -> Completion:
+                params: SamplingParams, max_q_entries: int, num_ahead_tokens: int = 0) -> Completion:
+        """num_ahead_tokens: tokens to draft in the background after answering (0 = k + 1 if draft-ahead is on)."""
         done = Completion()
-        self.post(_Propose(session_id, context_len, new_token_ids, num_draft_tokens, params, max_q_entries, done))
+        self.post(_Propose(session_id, context_len, new_token_ids, num_draft_tokens, params, max_q_entries, done,
+                           num_ahead_tokens))
         return done
 
     def end_session(self, session_id: str) -> None:
@@ -92,7 +123,7 @@ class DraftEngine(BatchedEngine):
             session = self.sessions.pop(message.session_id, None)
             if session is not None:
                 for req in self.scheduler.waiting:
-                    if req.seq is session.seq:
+                    if req.seq is session.seq and not req.payload.answered:
                         req.payload.done.set_exception(EngineError("CANCELLED", "session ended"))
                 self.scheduler.release(session.seq)
             return
@@ -108,8 +139,8 @@ class DraftEngine(BatchedEngine):
                 raise EngineError("NOT_FOUND", f"unknown draft session {msg.session_id}: send the whole context")
             if len(self.sessions) >= self.max_num_sessions:
                 raise EngineError("RESOURCE_EXHAUSTED", "draft service holds the maximum number of sessions")
-            seed = None if msg.params.seed is None else msg.params.seed ^ 0x5EED
-            session = DraftSession(msg.session_id, SeqState(next(self._seq_ids), [], 0), make_generator(seed))
+            seed = random.getrandbits(63) if msg.params.seed is None else msg.params.seed ^ 0x5EED
+            session = DraftSession(msg.session_id, SeqState(next(self._seq_ids), [], 0), seed)
             self.sessions[msg.session_id] = session
         return session
 
@@ -119,27 +150,60 @@ class DraftEngine(BatchedEngine):
         session = self._session_for(msg)
         if session.busy:
             raise EngineError("FAILED_PRECONDITION", f"session {msg.session_id} already has a proposal in flight")
-        seq = session.seq
+        self._stop_ahead(session)
         base = msg.context_len - len(msg.new_token_ids)
-        if base < 0 or base > seq.num_verified:
+        if base < 0 or base > session.seq.num_verified:
             raise EngineError("NOT_FOUND", f"draft session {msg.session_id} is out of sync: send the whole context")
-        verified = seq.token_ids[:base] + list(msg.new_token_ids)
-        # Keep the KV of the longest computed prefix that is still right; roll back the rest.
-        seq.num_computed = min(seq.num_computed, common_prefix_len(seq.token_ids[: seq.num_computed], verified))
-        seq.token_ids = verified
+        verified = session.seq.token_ids[:base] + list(msg.new_token_ids)
+        self._sync(session, verified)
+        room = self.max_model_len - len(verified)
+        num_draft = min(msg.num_draft_tokens, room)
+        lookahead = 0
+        if self.draft_ahead:
+            lookahead = msg.num_ahead_tokens or (num_draft + 1 if num_draft > 0 else 0)
+        proposal = Proposal(session, num_draft, min(num_draft + lookahead, room), msg.params, msg.max_q_entries,
+                            msg.done)
+        self._answer_if_ready(proposal)
+        if len(session.tail_dists) < proposal.num_total_tokens:
+            session.busy = not proposal.answered
+            self._enqueue(proposal)
+
+    def _sync(self, session: DraftSession, verified: list[int]) -> None:
+        """Make `verified` the session's context; keep the tail (and KV) that still continues it."""
+        seq = session.seq
+        match = common_prefix_len(seq.token_ids, verified)
+        if match == len(verified):                   # verified context is a prefix of what we drafted
+            session.tail_dists = session.tail_dists[match - seq.num_verified:]
+            if session.tail_dists:
+                self.num_ahead_hits += 1
+        else:                                        # stale tail: roll back to the verified context
+            seq.num_computed = min(seq.num_computed, match)
+            seq.token_ids = verified
+            session.tail_dists = []
         seq.num_verified = len(verified)
         if seq.allocated:
             self.scheduler.commit(seq)
-        num_draft = min(msg.num_draft_tokens, self.max_model_len - len(verified))
-        proposal = Proposal(session, num_draft, msg.params, msg.max_q_entries, msg.done)
-        if num_draft <= 0:
-            msg.done.set_result(proposal)
+
+    def _answer_if_ready(self, proposal: Proposal) -> None:
+        session = proposal.session
+        if proposal.answered or len(session.tail_dists) < proposal.num_draft_tokens:
             return
-        session.busy = True
-        self._enqueue(proposal)
+        k = proposal.num_draft_tokens
+        tail = session.seq.token_ids[session.seq.num_verified:][:k]
+        dists = [d for d in session.tail_dists[:k] if d is not None]
+        proposal.done.set_result(Drafts(list(tail), dists))
+        proposal.answered = True
+        session.busy = False
+
+    def _stop_ahead(self, session: DraftSession) -> None:
+        if session.ahead is not None:
+            self.scheduler.waiting = [r for r in self.scheduler.waiting if r is not session.ahead]
+            session.ahead = None
 
     def _enqueue(self, proposal: Proposal) -> None:
-        self.scheduler.waiting.append(ForwardRequest(proposal.session.seq, [], 1, proposal))
+        request = ForwardRequest(proposal.session.seq, [], 1, proposal)
+        proposal.session.ahead = request if proposal.answered else None
+        self.scheduler.waiting.append(request)
 
     def idle_seqs(self) -> Iterable[SeqState]:
         return (s.seq for s in self.sessions.values() if not s.busy)
@@ -147,30 +211,38 @@ class DraftEngine(BatchedEngine):
     def finish(self, request: ForwardRequest, logits: torch.Tensor) -> None:
         """logits [1, V] for the position after the session's last token."""
         proposal: Proposal = request.payload
-        seq = proposal.session.seq
+        session = proposal.session
+        session.ahead = None
+        seq = session.seq
         seq.num_computed = len(seq.token_ids)
         self.scheduler.commit(seq)
-        token = self._sample(proposal, logits)
+        token, dist = self._sample(proposal, logits)
         seq.token_ids.append(token)
-        proposal.draft_ids.append(token)
-        if len(proposal.draft_ids) < proposal.num_draft_tokens:
+        session.tail_dists.append(dist)
+        self._answer_if_ready(proposal)
+        if len(session.tail_dists) < proposal.num_total_tokens:
             self._enqueue(proposal)
-        else:
-            proposal.session.busy = False
-            proposal.done.set_result(proposal)
 
-    def _sample(self, proposal: Proposal, logits: torch.Tensor) -> int:
+    def _sample(self, proposal: Proposal, logits: torch.Tensor) -> tuple[int, SparseDist | None]:
         if proposal.params.is_greedy:
-            return int(torch.argmax(logits[0]).item())
+            return int(torch.argmax(logits[0]).item()), None
         q = logits_to_probs(logits, proposal.params)[0]
         ids, probs = sparsify(q, proposal.max_q_entries)
         # The verifier sees q as float32 over the wire: sample from exactly those numbers.
         probs32 = [float(x) for x in np.asarray(probs, dtype=np.float32)]
-        proposal.draft_dists.append(SparseDist(tuple(ids), tuple(probs32)))
-        return sample_sparse(ids, probs32, proposal.session.generator)
+        # One uniform per absolute position, keyed by (seed, position): how far draft-ahead got before a call
+        # arrived cannot change later samples, so a seeded request is reproducible. A position drafted again after
+        # a rejection earlier in its block reuses its uniform; that is still exact, because whether a block is cut
+        # before position i never depends on the token drafted at i.
+        position = len(proposal.session.seq.token_ids)
+        generator = make_generator(position_seed(proposal.session.base_seed, position))
+        return sample_sparse(ids, probs32, generator), SparseDist(tuple(ids), tuple(probs32))
 
     def fail(self, request: ForwardRequest, exc: EngineError) -> None:
         proposal: Proposal = request.payload
-        proposal.session.busy = False
-        proposal.done.set_exception(exc)
+        if proposal.session.ahead is request:
+            proposal.session.ahead = None
+        if not proposal.answered:
+            proposal.session.busy = False
+            proposal.done.set_exception(exc)
         self.scheduler.waiting = [r for r in self.scheduler.waiting if r is not request]

@@ -8,17 +8,22 @@ from protos.specmesh.v1 import draft_pb2, draft_pb2_grpc
 from specmesh.config import DraftConfig
 from specmesh.engine.build import build_engine_parts
 from specmesh.grpc_server import ServiceServer
+from specmesh.security import server_credentials
+from specmesh.telemetry.metrics import start_metrics
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 
 
 def build_draft(config: DraftConfig) -> tuple[ServiceServer, DraftEngine]:
+    credentials = server_credentials(config.tls)          # before the model load: a bad cert path fails fast
     parts = build_engine_parts(config.engine)
     engine = DraftEngine(parts.runner, parts.block_manager, parts.max_model_len,
                          config.engine.max_num_batched_tokens, config.engine.max_num_seqs,
-                         config.engine.max_queue_len, config.engine.num_threads)
+                         config.engine.max_queue_len, config.engine.num_threads, config.draft_ahead)
     servicer = DraftServicer(engine, parts.loaded.model.config.vocab_size, config.max_draft_tokens,
                              config.max_q_entries)
-    server = ServiceServer([SERVICE_NAME], lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s))
+    server = ServiceServer([SERVICE_NAME], lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s),
+                           credentials)
+    server.metrics = start_metrics(config.telemetry, config.host, engine.metrics.registry)
     engine.start()
     return server, engine

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from draft_service.engine import DraftEngine, Proposal
+from draft_service.engine import DraftEngine, Drafts
 from protos.specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specmesh.engine.loop import EngineError
 from specmesh.grpc_server import status_code
@@ -36,9 +36,9 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             self._validate(request)
             params = sampling_from_proto(request.sampling)
             max_q = min(request.max_q_entries or self.max_q_entries, self.max_q_entries)
-            proposal: Proposal = await self.engine.propose(
+            proposal: Drafts = await self.engine.propose(
                 request.session_id, request.context_len, list(request.new_token_ids), request.num_draft_tokens,
-                params, max_q).future
+                params, max_q, min(request.num_ahead_tokens, 2 * self.max_draft_tokens + 1)).future
         except EngineError as exc:
             await context.abort(status_code(exc.code), str(exc))
         return draft_pb2.ProposeResponse(draft_token_ids=proposal.draft_ids,

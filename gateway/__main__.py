@@ -6,14 +6,23 @@ import asyncio
 import logging
 import sys
 
+from gateway.openai_http import loopback_channel_factory, loopback_target, served_model, start_openai_http
 from gateway.server import build_gateway
 from specmesh.config import GatewayConfig, load_config
 from specmesh.grpc_server import serve_until_signal
+from specmesh.telemetry.tracing import setup_tracing
 
 
 async def _main(argv: list[str]) -> None:
     config = load_config(GatewayConfig, "gateway", argv)
+    setup_tracing(config.telemetry, "specmesh-gateway")
     server = await build_gateway(config)
+    if config.http_port:
+        http = await start_openai_http(await served_model(config), config.host, config.http_port,
+                                       lambda: loopback_target(config.host, server.port),
+                                       loopback_channel_factory(config))
+        server.on_stop.append(http.close)
+        logging.getLogger(__name__).info("OpenAI-compatible HTTP API on %s:%d/v1", config.host, http.port)
     await serve_until_signal(server, config.host, config.port, lambda: None)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 
@@ -32,6 +33,18 @@ class Draft:
 NO_DRAFT = Draft([], None, common_pb2.DRAFT_SOURCE_NONE)
 
 
+class Drafter(Protocol):
+    async def prefill(self, prompt_ids: list[int], num_tokens: int) -> None:
+        """Runs while the verifier prefills: the draft service computes the prompt's KV and drafts ahead."""
+
+    async def propose(self, context_ids: list[int], num_tokens: int) -> Draft: ...
+
+    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int]) -> None:
+        """Told after each verify: the round's draft, how many were accepted, every verified output token."""
+
+    async def close(self) -> None: ...
+
+
 @dataclass
 class ModelDrafter:
     stub: draft_pb2_grpc.DraftStub
@@ -42,6 +55,19 @@ class ModelDrafter:
     num_synced: int = 0                      # context tokens the draft service already has
     skip_rounds: int = 0
     num_failures: int = field(default=0)
+    bytes_sent: int = 0                      # serialized Propose requests / responses (the draft link's traffic)
+    bytes_received: int = 0
+
+    async def prefill(self, prompt_ids: list[int], num_tokens: int) -> None:
+        """Propose nothing yet, but let the draft service prefill and draft `num_tokens + 1` ahead (its guess of
+        the target's first token, then a block after it). Failures are left for the first real round."""
+        if num_tokens <= 0:
+            return
+        try:
+            await self._call(prompt_ids, 0, num_ahead_tokens=num_tokens + 1)
+            self.num_synced = len(prompt_ids)
+        except grpc.aio.AioRpcError:
+            self.num_synced = 0
 
     async def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
         if num_tokens <= 0:
@@ -63,11 +89,19 @@ class ModelDrafter:
         dists = [SparseDist(tuple(d.token_ids), tuple(d.probs)) for d in response.draft_dists] or None
         return Draft(list(response.draft_token_ids), dists, common_pb2.DRAFT_SOURCE_MODEL)
 
-    async def _call(self, context_ids: list[int], num_tokens: int) -> draft_pb2.ProposeResponse:
+    async def _call(self, context_ids: list[int], num_tokens: int,
+                    num_ahead_tokens: int = 0) -> draft_pb2.ProposeResponse:
         request = draft_pb2.ProposeRequest(
             session_id=self.session_id, context_len=len(context_ids), new_token_ids=context_ids[self.num_synced:],
-            num_draft_tokens=num_tokens, sampling=sampling_to_proto(self.sampling), max_q_entries=self.max_q_entries)
-        return await self.stub.Propose(request, timeout=self.timeout_s)
+            num_draft_tokens=num_tokens, sampling=sampling_to_proto(self.sampling), max_q_entries=self.max_q_entries,
+            num_ahead_tokens=num_ahead_tokens)
+        self.bytes_sent += request.ByteSize()
+        response = await self.stub.Propose(request, timeout=self.timeout_s)
+        self.bytes_received += response.ByteSize()
+        return response
+
+    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int]) -> None:
+        pass                                      # the next Propose carries the verified tokens
 
     def _failed(self, exc: grpc.aio.AioRpcError) -> Draft:
         self.num_failures += 1
@@ -78,5 +112,7 @@ class ModelDrafter:
         return NO_DRAFT
 
     async def close(self) -> None:
+        if self.bytes_sent == 0:
+            return                                # never proposed (other tiers drafted): no session to end
         with contextlib.suppress(grpc.aio.AioRpcError):
             await self.stub.EndSession(common_pb2.EndSessionRequest(session_id=self.session_id), timeout=2.0)

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry.context import Context
 
-from gateway.drafters import NO_DRAFT, ModelDrafter
+from gateway.drafters import NO_DRAFT, Drafter
+from gateway.round_spans import end_session_span, prefill_span, record_round, round_span
 from gateway.validation import GenerationParams
 from protos.specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specmesh.proto_convert import sampling_to_proto, sparse_dists_to_proto
@@ -32,21 +34,27 @@ class RoundOutput:
 class Generation:
     """Drives one request's session on the verifier (and draft service). Always `close()` it."""
 
-    def __init__(self, params: GenerationParams, session_id: str, verifier: verifier_pb2_grpc.VerifierStub,
-                 drafter: ModelDrafter | None, verifier_timeout_s: float) -> None:
+    def __init__(self, params: GenerationParams, session_id: str,
+                 verifiers: Sequence[verifier_pb2_grpc.VerifierStub],
+                 drafter: Drafter | None, verifier_timeout_s: float, trace_context: Context | None = None) -> None:
         self.params = params
+        self.trace_context = trace_context          # the request span: parent of the prefill / round spans
         self.session_id = session_id
-        self.verifier = verifier
+        self.verifiers = list(verifiers)            # replicas in the order to try; the session stays on one
+        self.verifier = self.verifiers[0]
         self.drafter = drafter
         self.timeout_s = verifier_timeout_s
         self.output_ids: list[int] = []
         self.num_cached_prompt_tokens = 0
 
     async def rounds(self) -> AsyncIterator[RoundOutput]:
-        start = await self.verifier.StartSession(verifier_pb2.StartSessionRequest(
-            session_id=self.session_id, prompt_token_ids=self.params.prompt_ids,
-            sampling=sampling_to_proto(self.params.sampling), max_new_tokens=self.params.max_new_tokens),
-            timeout=self.timeout_s)
+        with prefill_span(self.trace_context, len(self.params.prompt_ids)) as span:
+            # The draft service prefills (and drafts ahead) while the verifier prefills.
+            start, _ = await asyncio.gather(
+                self._start_session(),
+                self.drafter.prefill(self.params.prompt_ids, self.params.num_draft_tokens) if self.drafter
+                else asyncio.sleep(0))
+            span.set_attribute("specmesh.prefill.cached_tokens", start.num_cached_prompt_tokens)
         self.num_cached_prompt_tokens = start.num_cached_prompt_tokens
         self.output_ids.append(start.first_token_id)
         yield RoundOutput(0, [start.first_token_id], 0, 0, common_pb2.DRAFT_SOURCE_NONE)
@@ -57,20 +65,44 @@ class Generation:
             # Drafting past the last token the client can receive is wasted work.
             num_draft = min(self.params.num_draft_tokens, max(remaining - 1, 0))
             context = self.params.prompt_ids + self.output_ids
-            draft = await self.drafter.propose(context, num_draft) if self.drafter else NO_DRAFT
-            result = await self.verifier.Verify(verifier_pb2.VerifyRequest(
-                session_id=self.session_id, draft_token_ids=draft.token_ids,
-                draft_dists=sparse_dists_to_proto(draft.dists or [])), timeout=self.timeout_s)
+            with round_span(self.trace_context, round_index) as span:
+                draft = await self.drafter.propose(context, num_draft) if self.drafter else NO_DRAFT
+                result = await self.verifier.Verify(verifier_pb2.VerifyRequest(
+                    session_id=self.session_id, draft_token_ids=draft.token_ids,
+                    draft_dists=sparse_dists_to_proto(draft.dists or [])), timeout=self.timeout_s)
+                record_round(span, draft, result.num_accepted)
             tokens = list(result.token_ids)
             self.output_ids.extend(tokens)
+            if self.drafter is not None:
+                self.drafter.observe(draft, result.num_accepted, self.output_ids)
             yield RoundOutput(round_index, tokens, len(draft.token_ids), result.num_accepted, draft.source)
+
+    async def _start_session(self) -> verifier_pb2.StartSessionResponse:
+        """Opens the session on the first replica that takes it. Nothing has been streamed yet, so a replica that
+        is down or draining (UNAVAILABLE) is simply skipped."""
+        request = verifier_pb2.StartSessionRequest(
+            session_id=self.session_id, prompt_token_ids=self.params.prompt_ids,
+            sampling=sampling_to_proto(self.params.sampling), max_new_tokens=self.params.max_new_tokens)
+        for i, stub in enumerate(self.verifiers):
+            try:
+                start = await stub.StartSession(request, timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or i == len(self.verifiers) - 1:
+                    raise
+                log.warning("verifier replica %d unavailable (%s); trying the next", i, exc.details())
+                continue
+            self.verifier = stub
+            return start
+        raise AssertionError("unreachable: at least one verifier replica")
 
     async def close(self) -> None:
         """Release the session everywhere; runs even when the client went away."""
-        calls = [self.verifier.EndSession(common_pb2.EndSessionRequest(session_id=self.session_id), timeout=5.0)]
-        if self.drafter is not None:
-            calls.append(self.drafter.close())
-        results = await asyncio.gather(*calls, return_exceptions=True)
+        with end_session_span(self.trace_context):
+            calls = [self.verifier.EndSession(common_pb2.EndSessionRequest(session_id=self.session_id),
+                                              timeout=5.0)]
+            if self.drafter is not None:
+                calls.append(self.drafter.close())
+            results = await asyncio.gather(*calls, return_exceptions=True)
         for r in results:
             if isinstance(r, grpc.aio.AioRpcError):
                 log.warning("ending session %s: %s", self.session_id, r.details())

@@ -9,12 +9,16 @@ from pathlib import Path
 import grpc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from gateway.safe_parse import add_generation_servicer
 from gateway.servicer import GenerationServicer, ModelInfo
-from protos.specmesh.v1 import draft_pb2_grpc, generate_pb2, generate_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from gateway.tiers import build_tiers
+from protos.specmesh.v1 import draft_pb2_grpc, generate_pb2, verifier_pb2, verifier_pb2_grpc
 from specmesh.channels import internal_channel
 from specmesh.config import GatewayConfig
 from specmesh.grpc_server import ServiceServer
 from specmesh.models import resolve_model_dir
+from specmesh.security import api_key_interceptors, server_credentials
+from specmesh.telemetry.metrics import GatewayMetrics, StatsCollector, start_metrics
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +43,24 @@ def load_tokenizer(ref: str, cache_dir: str) -> PreTrainedTokenizerBase:
 
 
 async def build_gateway(config: GatewayConfig, wait_for_verifier_s: float = 600.0) -> ServiceServer:
-    verifier = verifier_pb2_grpc.VerifierStub(internal_channel(config.verifier_addr))
-    info = await fetch_model_info(verifier, wait_for_verifier_s)
+    credentials, interceptors = server_credentials(config.tls), api_key_interceptors(config)   # fail fast
+    addrs = [a.strip() for a in config.verifier_addr.split(",") if a.strip()]
+    if not addrs:
+        raise ValueError("verifier_addr must name at least one verifier (host:port[,host:port...])")
+    verifiers = [verifier_pb2_grpc.VerifierStub(internal_channel(a, config.tls)) for a in addrs]
+    info = await fetch_model_info(verifiers[0], wait_for_verifier_s)
     tokenizer = load_tokenizer(config.tokenizer or info.model_name, config.cache_dir)
     draft = None
     if config.draft_addr:
-        draft = draft_pb2_grpc.DraftStub(internal_channel(config.draft_addr))
+        draft = draft_pb2_grpc.DraftStub(internal_channel(config.draft_addr, config.tls))
     model = ModelInfo(info.model_name, info.max_model_len, frozenset(info.eos_token_ids))
-    servicer = GenerationServicer(config, tokenizer, model, verifier, draft)
+    tiers = build_tiers(config, info.model_name, config.tokenizer or info.model_name, info.vocab_size)
+    metrics = GatewayMetrics()
+    servicer = GenerationServicer(config, tokenizer, model, verifiers, draft, tiers, metrics)
     log.info("gateway for %s (context %d, draft %s)", info.model_name, info.max_model_len, config.draft_addr or "off")
-    return ServiceServer([SERVICE_NAME], lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, s))
+    server = ServiceServer([SERVICE_NAME], lambda s: add_generation_servicer(servicer, s), credentials, interceptors)
+    metrics.registry.register(StatsCollector(server.stats))       # tier hits, draft-link bytes
+    server.metrics = start_metrics(config.telemetry, config.host, metrics.registry)
+    server.on_stop.append(tiers.close)
+    server.stats["drafting"] = tiers.snapshot
+    return server

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -49,14 +50,15 @@ class _Progress:
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def __init__(self, config: GatewayConfig, tokenizer: PreTrainedTokenizerBase, model: ModelInfo,
-                 verifier: verifier_pb2_grpc.VerifierStub, draft: draft_pb2_grpc.DraftStub | None,
+                 verifiers: Sequence[verifier_pb2_grpc.VerifierStub], draft: draft_pb2_grpc.DraftStub | None,
                  tiers: DraftTiers | None = None, metrics: GatewayMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or GatewayMetrics()
         self.tiers = tiers                          # cache / n-gram tiers in front of the draft service
         self.tokenizer = tokenizer
         self.model = model
-        self.verifier = verifier
+        self.verifiers = list(verifiers)           # replicas; sessions are spread round-robin
+        self._next_replica = itertools.count()
         self.draft = draft
         self._cleanups: set[asyncio.Task[None]] = set()
 
@@ -114,7 +116,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                    min(self.config.draft_timeout_s, verifier_timeout))
         if self.tiers is not None and params.num_draft_tokens > 0:
             drafter = self.tiers.drafter(params, drafter, tenant_from_metadata(context.invocation_metadata()))
-        return Generation(params, session_id, self.verifier, drafter, verifier_timeout, trace_context)
+        first = next(self._next_replica) % len(self.verifiers)
+        order = self.verifiers[first:] + self.verifiers[:first]
+        return Generation(params, session_id, order, drafter, verifier_timeout, trace_context)
 
     async def _stream(self, params: GenerationParams,
                       generation: Generation) -> AsyncIterator[generate_pb2.GenerateResponse]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from gateway.safe_parse import UndecodableRequest
 from protos.specmesh.v1 import generate_pb2
 from specmesh.config import GatewayConfig
 from specmesh.engine.loop import EngineError
@@ -64,8 +65,10 @@ def _stop_strings(request: generate_pb2.GenerateRequest, config: GatewayConfig) 
     return tuple(request.stop)
 
 
-def validate_request(request: generate_pb2.GenerateRequest, tokenizer: PreTrainedTokenizerBase,
+def validate_request(request: generate_pb2.GenerateRequest | UndecodableRequest, tokenizer: PreTrainedTokenizerBase,
                      config: GatewayConfig, max_model_len: int, default_request_id: str) -> GenerationParams:
+    if isinstance(request, UndecodableRequest):
+        raise invalid(f"request is not a valid specmesh.v1.GenerateRequest: {request.reason}")
     if len(request.request_id) > MAX_REQUEST_ID_LEN:
         raise invalid(f"request_id must be at most {MAX_REQUEST_ID_LEN} characters")
     sampling = sampling_from_proto(request.sampling)

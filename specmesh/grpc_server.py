@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from specmesh.telemetry.metrics import MetricsServer
+from specmesh.telemetry.tracing import server_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +28,11 @@ SERVER_OPTIONS = [
 class ServiceServer:
     """An aio server with `grpc.health.v1` and server reflection for the given services."""
 
-    def __init__(self, service_names: Sequence[str], add_servicers: Callable[[grpc.aio.Server], None]) -> None:
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+    def __init__(self, service_names: Sequence[str], add_servicers: Callable[[grpc.aio.Server], None],
+                 credentials: grpc.ServerCredentials | None = None,
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*server_interceptors(), *interceptors])
+        self.credentials = credentials              # TLS (specmesh.security.server_credentials); None = plaintext
         add_servicers(self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -34,9 +41,17 @@ class ServiceServer:
             [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], self.server)
         self.port = 0
+        self.metrics: MetricsServer | None = None    # this service's /metrics endpoint, closed on stop()
+        self.on_stop: list[Callable[[], Awaitable[None]]] = []   # run after the server stopped (flush caches)
+        self.stats: dict[str, Callable[[], dict[str, int]]] = {}  # name -> snapshot of plain-int counters
+        # Awaited on stop after health turns NOT_SERVING and before new calls are refused: lets in-flight work end
+        # (the verifier waits for its sessions, whose Verify calls must still get through).
+        self.drain: Callable[[], Awaitable[None]] | None = None
 
     async def start(self, host: str, port: int) -> int:
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        self.port = (self.server.add_secure_port(address, self.credentials) if self.credentials is not None
+                     else self.server.add_insecure_port(address))
         if self.port == 0:
             raise RuntimeError(f"cannot bind {host}:{port}")
         await self.server.start()
@@ -48,9 +63,19 @@ class ServiceServer:
             await self.health.set(name, status)
 
     async def stop(self, grace_s: float = 5.0) -> None:
-        """Report NOT_SERVING, refuse new calls, let running ones finish within grace_s."""
+        """Report NOT_SERVING, drain, refuse new calls, let running ones finish; all within grace_s."""
+        deadline = time.monotonic() + grace_s
         await self._set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.server.stop(grace_s)
+        if self.drain is not None and grace_s > 0:
+            try:
+                await asyncio.wait_for(self.drain(), grace_s)
+            except TimeoutError:
+                log.warning("drain did not finish within %.0f s", grace_s)
+        await self.server.stop(max(0.0, deadline - time.monotonic()))
+        if self.metrics is not None:
+            self.metrics.close()
+        for hook in self.on_stop:
+            await hook()
 
 
 async def serve_until_signal(server: ServiceServer, host: str, port: int, on_stop: Callable[[], None],
@@ -66,6 +91,12 @@ async def serve_until_signal(server: ServiceServer, host: str, port: int, on_sto
     log.info("draining (up to %.0f s)", grace_s)
     await server.stop(grace_s)
     on_stop()
+
+
+def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
+    """The caller's deadline as a time.monotonic() value (None when the caller set none)."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
 
 
 def status_code(name: str) -> grpc.StatusCode:

@@ -61,24 +61,39 @@ class Stack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._spawn_args: dict[str, tuple[str, dict[str, str], str]] = {}
 
-    def _spawn(self, name: str, module: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, module: str, env: dict[str, str], addr: str = "") -> subprocess.Popen[bytes]:
         full_env = {**os.environ, **self.config.extra_env, **env}
         proc = subprocess.Popen([sys.executable, "-m", module], env=full_env)
         self.procs[name] = proc
+        self._spawn_args[name] = (module, env, addr)
         return proc
+
+    def restart(self, name: str, timeout_s: float = 300.0, hard: bool = True) -> None:
+        """Kill (SIGKILL if hard, else SIGTERM) and start one service again; waits until it is SERVING."""
+        proc = self.procs[name]
+        if hard:
+            proc.kill()
+        else:
+            proc.send_signal(signal.SIGTERM)
+        proc.wait()
+        module, env, addr = self._spawn_args[name]
+        wait_serving(addr, timeout_s, self._spawn(name, module, env, addr))
 
     def start(self, timeout_s: float = 900.0) -> None:
         c = self.config
         threads = str(c.num_threads)
         verifier = self._spawn("verifier", "verifier_service", {
             "SPECMESH_VERIFIER_MODEL": c.target, "SPECMESH_VERIFIER_HOST": c.host,
-            "SPECMESH_VERIFIER_PORT": str(c.verifier_port), "SPECMESH_VERIFIER_NUM_THREADS": threads})
+            "SPECMESH_VERIFIER_PORT": str(c.verifier_port), "SPECMESH_VERIFIER_NUM_THREADS": threads},
+            f"{c.host}:{c.verifier_port}")
         draft = None
         if c.draft:
             draft = self._spawn("draft", "draft_service", {
                 "SPECMESH_DRAFT_MODEL": c.draft, "SPECMESH_DRAFT_HOST": c.host,
-                "SPECMESH_DRAFT_PORT": str(c.draft_port), "SPECMESH_DRAFT_NUM_THREADS": threads})
+                "SPECMESH_DRAFT_PORT": str(c.draft_port), "SPECMESH_DRAFT_NUM_THREADS": threads},
+                f"{c.host}:{c.draft_port}")
         try:
             wait_serving(f"{c.host}:{c.verifier_port}", timeout_s, verifier)
             if draft is not None:
@@ -86,7 +101,7 @@ class Stack:
             gateway = self._spawn("gateway", "gateway", {
                 "SPECMESH_GATEWAY_HOST": c.host, "SPECMESH_GATEWAY_PORT": str(c.gateway_port),
                 "SPECMESH_GATEWAY_VERIFIER_ADDR": f"{c.host}:{c.verifier_port}",
-                "SPECMESH_GATEWAY_DRAFT_ADDR": f"{c.host}:{c.draft_port}" if c.draft else ""})
+                "SPECMESH_GATEWAY_DRAFT_ADDR": f"{c.host}:{c.draft_port}" if c.draft else ""}, c.gateway_addr)
             wait_serving(c.gateway_addr, timeout_s, gateway)
         except BaseException:
             self.stop()

@@ -36,9 +36,11 @@ async def stack():
     gw_unrelated = await start_gateway(verifier.addr, unrelated.addr)
     gw_dead_draft = await start_gateway(verifier.addr, "127.0.0.1:1")   # nothing listens there
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir("tiny-target")))
+    no_ahead = await start_draft("tiny-draft", draft_ahead=False)
+    gw_no_ahead = await start_gateway(verifier.addr, no_ahead.addr)
     yield {"verifier": verifier, "same": gw_same, "unrelated": gw_unrelated, "dead": gw_dead_draft,
-           "tokenizer": tokenizer}
-    for running in (gw_same, gw_unrelated, gw_dead_draft, same, unrelated, verifier):
+           "no_ahead": gw_no_ahead, "tokenizer": tokenizer, "same_draft": same}
+    for running in (gw_same, gw_unrelated, gw_dead_draft, gw_no_ahead, same, unrelated, no_ahead, verifier):
         await running.stop()
 
 
@@ -61,7 +63,7 @@ async def wait_blocks_free(verifier, timeout_s: float = 10.0) -> None:
     raise AssertionError(f"{engine.block_manager.num_used_blocks} KV blocks still used, sessions {engine.sessions}")
 
 
-@pytest.mark.parametrize("draft", ["same", "unrelated"])
+@pytest.mark.parametrize("draft", ["same", "unrelated", "no_ahead"])
 @pytest.mark.parametrize("k", range(1, 9))
 async def test_greedy_equals_target_only(stack, draft: str, k: int) -> None:
     tok = stack["tokenizer"]
@@ -79,6 +81,8 @@ async def test_greedy_equals_target_only(stack, draft: str, k: int) -> None:
         num_accepted += usage.num_accepted_tokens
     assert num_drafted > 0
     if draft == "same":
+        assert stack["same_draft"].engine.num_ahead_hits > 0   # drafted-ahead blocks were served
+    if draft in ("same", "no_ahead"):
         assert num_accepted == num_drafted          # identical draft: everything accepted
     else:
         assert num_accepted / num_drafted < 0.3     # unrelated draft: nearly nothing accepted

@@ -8,11 +8,13 @@ import sys
 
 from specmesh.config import VerifierConfig, load_config
 from specmesh.grpc_server import serve_until_signal
+from specmesh.telemetry.tracing import setup_tracing
 from verifier_service.server import build_verifier
 
 
 async def _main(argv: list[str]) -> None:
     config = load_config(VerifierConfig, "verifier", argv)
+    setup_tracing(config.telemetry, "specmesh-verifier")
     server, engine = build_verifier(config)
     await serve_until_signal(server, config.host, config.port, engine.stop)
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+from opentelemetry.trace import SpanContext
 
 from specmesh.engine.batched import BatchedEngine
 from specmesh.engine.block_manager import BlockManager
@@ -48,6 +49,7 @@ class _Start:
     prompt_ids: list[int]
     params: SamplingParams
     done: Completion
+    deadline: float | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class _Verify:
     draft_ids: list[int]
     draft_dists: list[SparseDist] | None
     done: Completion
+    deadline: float | None = None
 
 
 @dataclass(frozen=True)
@@ -71,18 +74,22 @@ class VerifierEngine(BatchedEngine):
         self.max_queue_len = max_queue_len
         self.max_num_sessions = max_num_seqs * 4
         self.sessions: dict[str, Session] = {}
+        self.draining = False          # set on shutdown: running sessions finish, new ones are refused
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
 
     # ---- called from the event loop ---------------------------------------------------------------------------
-    def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Completion:
+    def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
+                      deadline: float | None = None) -> Completion:
+        """deadline: time.monotonic() after which the work is dropped (DEADLINE_EXCEEDED) if not yet run."""
         done = Completion()
-        self.post(_Start(session_id, prompt_ids, params, done))
+        self.post(_Start(session_id, prompt_ids, params, done, deadline))
         return done
 
-    def verify(self, session_id: str, draft_ids: list[int], draft_dists: list[SparseDist] | None) -> Completion:
+    def verify(self, session_id: str, draft_ids: list[int], draft_dists: list[SparseDist] | None,
+               deadline: float | None = None) -> Completion:
         done = Completion()
-        self.post(_Verify(session_id, draft_ids, draft_dists, done))
+        self.post(_Verify(session_id, draft_ids, draft_dists, done, deadline))
         return done
 
     def end_session(self, session_id: str) -> None:
@@ -106,6 +113,8 @@ class VerifierEngine(BatchedEngine):
             raise EngineError("RESOURCE_EXHAUSTED", f"verifier queue is full ({self.max_queue_len} waiting)")
 
     def _handle_start(self, msg: _Start) -> None:
+        if self.draining:
+            raise EngineError("UNAVAILABLE", "verifier is draining (shutting down): retry on another replica")
         self._admit()
         if msg.session_id in self.sessions:
             raise EngineError("ALREADY_EXISTS", f"session {msg.session_id} already exists")
@@ -117,7 +126,7 @@ class VerifierEngine(BatchedEngine):
         seq = SeqState(next(self._seq_ids), list(msg.prompt_ids), num_verified=len(msg.prompt_ids))
         session = Session(msg.session_id, seq, msg.params, make_generator(msg.params.seed))
         self.sessions[msg.session_id] = session
-        self._enqueue(session, [], None, msg.done)
+        self._enqueue(session, [], None, msg.done, msg.deadline)
 
     def _handle_verify(self, msg: _Verify) -> None:
         self._admit()
@@ -130,13 +139,13 @@ class VerifierEngine(BatchedEngine):
         if room <= 0:
             raise EngineError("OUT_OF_RANGE", f"session {msg.session_id} reached the context length")
         dists = msg.draft_dists[:room] if msg.draft_dists else None
-        self._enqueue(session, msg.draft_ids[:room], dists, msg.done)
+        self._enqueue(session, msg.draft_ids[:room], dists, msg.done, msg.deadline)
 
     def _enqueue(self, session: Session, draft_ids: list[int], dists: list[SparseDist] | None,
-                 done: Completion) -> None:
+                 done: Completion, deadline: float | None) -> None:
         session.busy = True
         request = ForwardRequest(session.seq, draft_ids, len(draft_ids) + 1, (session, dists, done),
-                                 next(self._arrivals))
+                                 next(self._arrivals), deadline)
         self.scheduler.waiting.append(request)
 
     def _close(self, session_id: str, exc: EngineError) -> None:
@@ -174,6 +183,9 @@ class VerifierEngine(BatchedEngine):
         target_probs = logits_to_probs(logits, session.params)
         draft_dists = dists if dists else [SparseDist((t,), (1.0,)) for t in draft_ids]
         return rejection_sample(target_probs, draft_ids, draft_dists, session.generator)
+
+    def span_context(self, req: ForwardRequest) -> SpanContext:
+        return req.payload[2].span_context
 
     def fail(self, req: ForwardRequest, exc: EngineError) -> None:
         session = req.payload[0]

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from protos.specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 from specmesh.config import VerifierConfig
 from specmesh.engine.build import build_engine_parts
 from specmesh.grpc_server import ServiceServer
+from specmesh.security import server_credentials
+from specmesh.telemetry.metrics import start_metrics
 from verifier_service.engine import VerifierEngine
 from verifier_service.servicer import VerifierServicer
 
@@ -13,6 +17,7 @@ SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
 
 def build_verifier(config: VerifierConfig) -> tuple[ServiceServer, VerifierEngine]:
+    credentials = server_credentials(config.tls)          # before the model load: a bad cert path fails fast
     parts = build_engine_parts(config.engine)
     engine = VerifierEngine(parts.runner, parts.block_manager, parts.max_model_len,
                             config.engine.max_num_batched_tokens, config.engine.max_num_seqs,
@@ -20,6 +25,15 @@ def build_verifier(config: VerifierConfig) -> tuple[ServiceServer, VerifierEngin
     servicer = VerifierServicer(engine, parts.loaded.name, parts.loaded.model.config.vocab_size,
                                 parts.loaded.eos_token_ids)
     server = ServiceServer([SERVICE_NAME],
-                           lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s))
+                           lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), credentials)
+    server.metrics = start_metrics(config.telemetry, config.host, engine.metrics.registry)
+    server.drain = lambda: drain_sessions(engine)
     engine.start()
     return server, engine
+
+
+async def drain_sessions(engine: VerifierEngine, poll_s: float = 0.05) -> None:
+    """Refuse new sessions and wait until the running ones have ended (the caller bounds the wait)."""
+    engine.draining = True
+    while engine.sessions:
+        await asyncio.sleep(poll_s)

@@ -6,7 +6,7 @@ import grpc
 
 from protos.specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specmesh.engine.loop import EngineError
-from specmesh.grpc_server import status_code
+from specmesh.grpc_server import deadline_of, status_code
 from specmesh.proto_convert import sampling_from_proto, sparse_dists_from_proto
 from verifier_service.engine import VerifierEngine
 
@@ -32,7 +32,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             prompt_ids = list(request.prompt_token_ids)
             self._check_ids(prompt_ids, "prompt_token_ids")
             params = sampling_from_proto(request.sampling)
-            result = await self.engine.start_session(request.session_id, prompt_ids, params).future
+            result = await self.engine.start_session(request.session_id, prompt_ids, params,
+                                                     deadline_of(context)).future
         except EngineError as exc:
             await context.abort(status_code(exc.code), str(exc))
         return verifier_pb2.StartSessionResponse(first_token_id=result.token_ids[0],
@@ -44,7 +45,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             draft_ids = list(request.draft_token_ids)
             self._check_ids(draft_ids, "draft_token_ids")
             dists = sparse_dists_from_proto(request.draft_dists, len(draft_ids), self.vocab_size)
-            result = await self.engine.verify(request.session_id, draft_ids, dists).future
+            result = await self.engine.verify(request.session_id, draft_ids, dists, deadline_of(context)).future
         except EngineError as exc:
             await context.abort(status_code(exc.code), str(exc))
         return verifier_pb2.VerifyResponse(num_accepted=result.num_accepted, token_ids=result.token_ids)
@@ -60,4 +61,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return verifier_pb2.ModelInfo(model_name=self.model_name, max_model_len=self.engine.max_model_len,
                                       vocab_size=self.vocab_size, eos_token_ids=list(self.eos_token_ids),
                                       block_size=bm.block_size, num_kv_blocks=bm.num_blocks,
-                                      num_free_kv_blocks=bm.num_free_blocks)
+                                      num_free_kv_blocks=bm.num_free_blocks,
+                                      num_sessions=len(self.engine.sessions),
+                                      num_waiting=len(self.engine.scheduler.waiting))

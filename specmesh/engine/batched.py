@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
+from opentelemetry.trace import SpanContext
 
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.loop import EngineError, EngineThread
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
 from specmesh.engine.scheduler import ForwardRequest, ScheduledItem, Scheduler, SeqState
+from specmesh.telemetry.engine_step import forward_span
+from specmesh.telemetry.metrics import EngineMetrics
 
 
 class BatchedEngine(EngineThread):
     """Subclasses say which sequences are idle (preemptible) and what to do with each finished request's logits."""
+
+    sessions: dict[str, Any]     # set by subclasses
+    trace_steps = True           # a span per forward (metrics are always kept)
 
     def __init__(self, name: str, runner: ModelRunner, block_manager: BlockManager, max_num_batched_tokens: int,
                  max_num_seqs: int, num_threads: int) -> None:
@@ -22,6 +29,9 @@ class BatchedEngine(EngineThread):
         self.block_manager = block_manager
         self.scheduler = Scheduler(block_manager, max_num_batched_tokens, max_num_seqs)
         self.num_steps = 0
+        self.metrics = EngineMetrics()
+        self.metrics.watch(lambda: len(self.scheduler.waiting), lambda: len(self.sessions),
+                           lambda: block_manager.num_used_blocks, lambda: block_manager.num_free_blocks)
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting)
@@ -36,13 +46,20 @@ class BatchedEngine(EngineThread):
     def fail(self, request: ForwardRequest, exc: EngineError) -> None:
         raise NotImplementedError
 
+    def span_context(self, request: ForwardRequest) -> SpanContext | None:
+        """The span of the caller that submitted the request: the forward's span links to it."""
+        return None
+
     def step(self) -> None:
-        batch, unfit = self.scheduler.schedule(self.idle_seqs)
-        for request in unfit:
-            self.fail(request, EngineError("RESOURCE_EXHAUSTED", "the sequence does not fit in the KV cache"))
+        batch, failed = self.scheduler.schedule(self.idle_seqs)
+        for request, error in failed:
+            self.fail(request, error)
         if not batch:
             return
-        all_logits = self.runner.forward([self._forward_item(item) for item in batch])
+        items = [self._forward_item(item) for item in batch]
+        links = [self.span_context(i.request) for i in batch] if self.trace_steps else None
+        with forward_span(self._name, self.metrics, batch, links):
+            all_logits = self.runner.forward(items)
         self.num_steps += 1
         for item, logits in zip(batch, all_logits, strict=True):
             if item.is_final:

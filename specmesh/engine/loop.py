@@ -14,6 +14,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from opentelemetry import trace
+
 log = logging.getLogger(__name__)
 
 
@@ -31,6 +33,8 @@ class Completion:
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.future: asyncio.Future[Any] = self._loop.create_future()
+        # The submitting caller's span (the RPC's server span): the engine's forward span links to it.
+        self.span_context = trace.get_current_span().get_span_context()
 
     def _set(self, fn: Callable[[], None]) -> None:
         if not self.future.done():

@@ -10,11 +10,13 @@ come back from the prefix cache).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from specmesh.engine.block_manager import BlockManager
+from specmesh.engine.loop import EngineError
 
 
 @dataclass
@@ -35,6 +37,7 @@ class ForwardRequest:
     num_logits: int               # >= 1: logits wanted for the last num_logits tokens
     payload: Any = None           # engine-specific (the caller's completion, sampling state, ...)
     arrival: int = 0
+    deadline: float | None = None # time.monotonic() after which the caller no longer waits
 
 
 @dataclass(frozen=True)
@@ -53,11 +56,12 @@ class Scheduler:
     waiting: list[ForwardRequest] = field(default_factory=list)
     num_preemptions: int = 0
 
-    def schedule(self, idle_seqs: Callable[[], Iterable[SeqState]]) -> tuple[list[ScheduledItem], list[ForwardRequest]]:
-        """Returns (items for this forward, requests that can never fit and must fail)."""
+    def schedule(self, idle_seqs: Callable[[], Iterable[SeqState]]
+                 ) -> tuple[list[ScheduledItem], list[tuple[ForwardRequest, EngineError]]]:
+        """Returns (items for this forward, requests that must fail: expired, or larger than the whole pool)."""
         budget = self.max_num_batched_tokens
         batch: list[ScheduledItem] = []
-        unfit: list[ForwardRequest] = []
+        failed = self._drop_expired()
         for req in list(self.waiting):
             if budget <= 0 or len(batch) >= self.max_num_seqs:
                 break
@@ -73,7 +77,7 @@ class Scheduler:
                 raise ValueError("a request must run at least num_logits tokens")
             if not self._reserve(req, len(run_ids), batch, idle_seqs):
                 if not batch and self._holds_only_itself(req):
-                    unfit.append(req)
+                    failed.append((req, EngineError("RESOURCE_EXHAUSTED", "the sequence does not fit in the KV cache")))
                     self.waiting.remove(req)
                     continue
                 break
@@ -81,7 +85,14 @@ class Scheduler:
             budget -= len(run_ids)
             if is_final:
                 self.waiting.remove(req)
-        return batch, unfit
+        return batch, failed
+
+    def _drop_expired(self) -> list[tuple[ForwardRequest, EngineError]]:
+        now = time.monotonic()
+        expired = [r for r in self.waiting if r.deadline is not None and now > r.deadline]
+        for req in expired:
+            self.waiting.remove(req)
+        return [(r, EngineError("DEADLINE_EXCEEDED", "the request's deadline passed while it waited")) for r in expired]
 
     def _reserve(self, req: ForwardRequest, num_tokens: int, batch: list[ScheduledItem],
                  idle_seqs: Callable[[], Iterable[SeqState]]) -> bool:

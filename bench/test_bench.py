@@ -1,0 +1,89 @@
+"""Fast checks of the benchmark harness (no stack, no model): `.venv/bin/pytest bench/test_bench.py`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from bench import kv_accounting as kv
+from bench.common import DEFAULT_WORKLOAD, RequestResult, first_mismatch, load_workload
+from bench.run_workload import check_pairs, summarize
+
+
+def test_workload_dedupes_repeated_prompts_by_default(tmp_path: Path) -> None:
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # the default path must resolve against the repository root too
+    try:
+        distinct = load_workload(DEFAULT_WORKLOAD)
+        expanded = load_workload(DEFAULT_WORKLOAD, dedupe=False)
+    finally:
+        os.chdir(cwd)
+    assert len({p.id for p in distinct}) == len(distinct)
+    repeated = [p for p in distinct if p.repeat > 1]
+    assert repeated, "the workload has repeated (FAQ) prompts"
+    assert len(expanded) == len(distinct) + sum(p.repeat - 1 for p in repeated)
+    assert all(p.messages[0] == ("system", p.system) for p in repeated)
+
+
+def test_workload_limit_is_per_category_and_categories_filter() -> None:
+    limited = load_workload(DEFAULT_WORKLOAD, limit=1)
+    assert len(limited) == len({p.category for p in limited}) == len({p.category for p in load_workload(
+        DEFAULT_WORKLOAD)})
+    assert {p.category for p in load_workload(DEFAULT_WORKLOAD, ["code"])} == {"code"}
+
+
+def test_first_mismatch() -> None:
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) == -1
+    assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
+    assert first_mismatch([1, 2], [1, 2, 3]) == 2
+
+
+def _result(mode: str, tokens: list[int], wall: float, drafted: int = 0, accepted: int = 0) -> RequestResult:
+    rounds = len(tokens) - 1 - accepted
+    return RequestResult("p", "chat", mode, completion_tokens=len(tokens), wall_s=wall, ttft_s=0.1,
+                         num_rounds=rounds, num_drafted=drafted, num_accepted=accepted, token_ids=tokens)
+
+
+def test_speedup_and_mismatch_reporting() -> None:
+    same = {"target": _result("target", [1, 2, 3, 4, 5], 2.0), "spec": _result("spec", [1, 2, 3, 4, 5], 1.0, 4, 2)}
+    summary = summarize([same])
+    assert summary["overall"]["speedup_median"] == pytest.approx(2.0)
+    assert summary["overall"]["decode_speedup_median"] == pytest.approx((4 / 0.9) / (4 / 1.9))  # ttft 0.1 s
+    assert summary["chat"]["spec"]["acceptance_rate"] == pytest.approx(0.5)
+    assert summary["chat"]["spec"]["mean_tokens_per_round"] == pytest.approx((2 + 2) / 2)
+    assert check_pairs([same]) == []
+    differ = {"target": same["target"], "spec": _result("spec", [1, 2, 9, 4, 5], 1.0)}
+    assert check_pairs([differ])[0]["mismatch_at"] == 2
+
+
+GEO = kv.Geometry(block_size=16, bytes_per_token=100, num_blocks=1024, max_model_len=1024)
+
+
+def test_waste_stays_within_one_partly_filled_block_through_rollbacks() -> None:
+    seq = kv.SeqTokens(list(range(37)), kv.synthetic_output(0, 50))
+    for rate in (0.0, 0.3, 1.0):
+        report = kv.waste_report([seq], GEO, num_draft=4, accept_rate=rate)
+        row = report["per_seq"][0]
+        assert report["goal_met"] and row["max_partly_filled_blocks"] == 1
+        assert row["tokens_in_kv"] == 37 + 50 - 1  # the last token has no KV yet
+        assert row["waste_slots"] == row["blocks"] * 16 - row["tokens_in_kv"] < 16
+
+
+def test_paged_capacity_beats_contiguous_for_short_sequences() -> None:
+    seqs = [kv.SeqTokens(list(range(40)), kv.synthetic_output(0, 60))]
+    report = kv.capacity_report(seqs, GEO, max_new_tokens=60)
+    assert report["contiguous_max_model_len"] == 16
+    assert report["paged"] == 1024 // 7  # 100 tokens -> 7 blocks
+    assert report["goal_met"] and report["paged_vs_contiguous"] >= 3
+
+
+def test_prefix_sharing_saves_the_shared_full_blocks_per_extra_session() -> None:
+    system = list(range(1000, 1040))  # 40 tokens: 2 full blocks shared
+    sessions = [system + [i, i + 100, i + 200] for i in range(4)]
+    report = kv.sharing_report(sessions, output_len=20, block_size=16, counts=[1, 4])
+    assert report["shared_full_blocks"] == 2
+    one, four = report["rows"]
+    assert one["blocks_saved"] == 0
+    assert four["blocks_saved"] == 3 * 2

@@ -1,0 +1,217 @@
+"""Adaptive draft length per session: pick the k that maximizes expected tokens per second.
+
+Pure logic on floats and ints (no gRPC, no clock): the round loop calls `next_k()` before drafting, then
+`observe(...)` with what the round measured, and `observe_load(...)` whenever the verifier reports its load.
+
+The model (all times in seconds)
+--------------------------------
+Acceptance. Position i (1-based) of a draft block is accepted with conditional probability p_i, given that
+positions 1..i-1 were accepted. A round that drafted n tokens and accepted m gives, for positions 1..m, a
+success each; for position m+1 (if m < n) a failure; positions after the first rejection are unobserved. We
+keep exponentially decayed success/failure counts per position (decay `decay` per round, so old rounds fade)
+and estimate
+
+    a       = (S + m0 * prior) / (S + F + m0)                       pooled over all positions
+    p_i     = (S_i + m1 * a) / (S_i + F_i + m1)                     per position, shrunk toward a
+
+Using successes / (successes + failures), not accepted / drafted, is the geometric MLE: tokens after a rejection
+were never tested, so counting them as failures would bias a down. Unobserved positions fall back to a.
+
+Expected tokens per round with k drafts (the +1 is the token the verifier always emits: the correction or
+the bonus token):
+
+    E(k) = 1 + sum_{j=1..k} prod_{i=1..j} p_i          which for p_i = a is (1 - a^(k+1)) / (1 - a)
+
+Time per round:
+
+    T(k) = verify(k) + [k > 0] * (rtt + k * c)
+
+c = measured draft compute per token (decayed sum of draft seconds / decayed sum of drafted tokens); rtt = draft
+link round trip (paid only when we call the draft service: k = 0 means target-only decoding); verify(k) =
+v0 + v1 * k, a decayed least-squares line through the observed (k, verify_s) points. While only one k has been
+seen the slope is not identifiable; then verify(k) = v0 * (1 + s * k) with the prior relative slope s
+(`verify_rel_slope`: 0.03 for a batch-invariant int8 verifier, ~0.4 for fp32 on these CPUs).
+
+Choice. k* = argmax_k E(k) / T(k) over [min_k, max_k], capped by load (below).
+
+Hysteresis. k changes only when the best candidate beats the current k's predicted rate by more than `margin`
+(relative) for `patience` consecutive rounds; one outlier round cannot flip k (and is also damped by the decay).
+
+Probing. At k = 0 nothing about acceptance is learned, so every `probe_every` rounds one round drafts `probe_k`
+tokens; if the draft has become good, the estimate rises and k leaves 0.
+
+Load. When the verifier's batch is large, drafted tokens compete with other sessions' compute, so speculation
+is cut: cap = max_k above no load, falling linearly to 0 between `load_batch_low` and `load_batch_off` batch
+tokens, and 0 when `queue_len >= load_queue_off`. The cap applies at once (no hysteresis): load is about
+the whole verifier, not this session.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AdaptiveParams:
+    decay: float = 0.85              # per-round weight kept by old observations (effective memory ~ 1/(1-decay))
+    prior_acceptance: float = 0.5    # pooled acceptance before any evidence
+    prior_strength: float = 1.0      # m0: pseudo-observations behind the prior
+    position_shrink: float = 2.0     # m1: pseudo-observations pulling p_i toward the pooled a
+    verify_rel_slope: float = 0.1    # s: extra verify cost per drafted token, relative to a 1-token verify
+    margin: float = 0.05             # switch only if the new k predicts > 5% more tokens/s
+    patience: int = 2                # ... for this many consecutive rounds
+    probe_every: int = 16            # at k == 0, draft probe_k tokens once every probe_every rounds
+    probe_k: int = 2
+    load_batch_low: int = 64         # verifier batch tokens where speculation starts being cut
+    load_batch_off: int = 512        # ... and where it is off
+    load_queue_off: int = 8          # waiting requests at which speculation is off
+    load_decay: float = 0.5          # smoothing of the reported load
+
+
+def expected_tokens(position_acceptance: list[float], k: int) -> float:
+    """E(k) = 1 + sum_{j<=k} prod_{i<=j} p_i (tokens emitted by one round with k drafts)."""
+    total, survive = 1.0, 1.0
+    for p in position_acceptance[:k]:
+        survive *= p
+        total += survive
+    return total
+
+
+class _DecayedLine:
+    """Decayed least-squares fit t = v0 + v1 * k, with a prior relative slope when k has no spread."""
+
+    def __init__(self, decay: float, rel_slope: float) -> None:
+        self.decay, self.rel_slope = decay, rel_slope
+        self.w = self.sk = self.skk = self.st = self.skt = 0.0
+
+    def add(self, k: int, t: float) -> None:
+        d = self.decay
+        self.w, self.sk, self.skk = d * self.w + 1, d * self.sk + k, d * self.skk + k * k
+        self.st, self.skt = d * self.st + t, d * self.skt + k * t
+
+    def __call__(self, k: int) -> float | None:
+        if self.w <= 0:
+            return None
+        mean_k, mean_t = self.sk / self.w, self.st / self.w
+        var_k = self.skk / self.w - mean_k ** 2
+        if var_k < 0.25:   # (almost) a single k seen: scale by the prior slope
+            return mean_t * (1 + self.rel_slope * k) / (1 + self.rel_slope * mean_k)
+        slope = max(0.0, (self.skt / self.w - mean_k * mean_t) / var_k)
+        return max(0.0, mean_t + slope * (k - mean_k))
+
+
+class DraftLengthController:
+    """Per-session draft length from acceptance history, measured costs, link RTT and verifier load."""
+
+    def __init__(self, min_k: int = 0, max_k: int = 16, initial_k: int = 4,
+                 params: AdaptiveParams | None = None) -> None:
+        if not 0 <= min_k <= max_k:
+            raise ValueError(f"need 0 <= min_k <= max_k, got {min_k}, {max_k}")
+        self.min_k, self.max_k = min_k, max_k
+        self.params = params or AdaptiveParams()
+        self.k = min(max(initial_k, min_k), max_k)
+        self._succ = [0.0] * max_k
+        self._fail = [0.0] * max_k
+        self._draft_time = self._draft_tokens = 0.0
+        self._verify = _DecayedLine(self.params.decay, self.params.verify_rel_slope)
+        self._rtt: float | None = None
+        self._queue = self._batch = 0.0
+        self._load_seen = False
+        self._streak = 0
+        self._rounds_at_zero = 0
+        self.rounds = 0
+
+    # ------------------------------------------------------------------ estimates
+    def acceptance(self) -> float:
+        """Pooled conditional acceptance a."""
+        p = self.params
+        s, f = sum(self._succ), sum(self._fail)
+        return (s + p.prior_strength * p.prior_acceptance) / (s + f + p.prior_strength)
+
+    def position_acceptance(self) -> list[float]:
+        a, m1 = self.acceptance(), self.params.position_shrink
+        return [(s + m1 * a) / (s + f + m1) for s, f in zip(self._succ, self._fail, strict=True)]
+
+    def draft_cost(self) -> float | None:
+        return self._draft_time / self._draft_tokens if self._draft_tokens > 0 else None
+
+    def verify_cost(self, k: int) -> float | None:
+        return self._verify(k)
+
+    def round_time(self, k: int) -> float | None:
+        verify, draft = self.verify_cost(k), self.draft_cost()
+        if verify is None or (k > 0 and draft is None):
+            return None
+        return verify + (0.0 if k == 0 else (self._rtt or 0.0) + k * draft)
+
+    def tokens_per_second(self, k: int) -> float | None:
+        t = self.round_time(k)
+        return None if t is None or t <= 0 else expected_tokens(self.position_acceptance(), k) / t
+
+    def load_cap(self) -> int:
+        p = self.params
+        if self._queue >= p.load_queue_off or self._batch >= p.load_batch_off:
+            return 0
+        if self._batch <= p.load_batch_low:
+            return self.max_k
+        frac = (p.load_batch_off - self._batch) / (p.load_batch_off - p.load_batch_low)
+        return int(self.max_k * frac)
+
+    # ------------------------------------------------------------------ decisions
+    def best_k(self) -> int:
+        """argmax over k of predicted tokens/s, ignoring hysteresis and load (the current k if unknown)."""
+        rates = {k: self.tokens_per_second(k) for k in range(self.min_k, self.max_k + 1)}
+        known = {k: r for k, r in rates.items() if r is not None}
+        return max(known, key=lambda k: (known[k], -k)) if known else self.k
+
+    def next_k(self) -> int:
+        """The draft length for the coming round (call once per round)."""
+        k = min(self.k, max(self.min_k, self.load_cap()))
+        if k == 0 and self.k == 0 and self.max_k > 0 and self.load_cap() > 0:
+            self._rounds_at_zero += 1
+            if self._rounds_at_zero % self.params.probe_every == 0:
+                return min(self.params.probe_k, self.max_k)
+        return k
+
+    def _update_k(self) -> None:
+        best = self.best_k()
+        now, new = self.tokens_per_second(self.k), self.tokens_per_second(best)
+        if best == self.k or now is None or new is None or new <= now * (1 + self.params.margin):
+            self._streak = 0
+            return
+        self._streak += 1
+        if self._streak >= self.params.patience:
+            self.k, self._streak, self._rounds_at_zero = best, 0, 0
+
+    # ------------------------------------------------------------------ observations
+    def observe(self, num_drafted: int, num_accepted: int, draft_s: float, verify_s: float,
+                rtt_s: float | None = None) -> None:
+        """One finished round: tokens drafted/accepted, draft compute seconds (excluding the link RTT), verify
+        seconds (as the round loop saw it), and the draft link's RTT if measured.
+
+        With draft pipelining pass only the exposed part of the draft time and RTT (what the round actually
+        waited for beyond the verify); the model then prices hidden drafting at ~0 and picks longer blocks."""
+        if not 0 <= num_accepted <= num_drafted:
+            raise ValueError(f"need 0 <= num_accepted <= num_drafted, got {num_accepted}, {num_drafted}")
+        d = self.params.decay
+        self._succ = [d * s for s in self._succ]
+        self._fail = [d * f for f in self._fail]
+        for i in range(min(num_accepted, self.max_k)):
+            self._succ[i] += 1
+        if num_accepted < num_drafted and num_accepted < self.max_k:
+            self._fail[num_accepted] += 1
+        if num_drafted > 0:
+            self._draft_time = d * self._draft_time + max(0.0, draft_s)
+            self._draft_tokens = d * self._draft_tokens + num_drafted
+        self._verify.add(num_drafted, max(0.0, verify_s))
+        if rtt_s is not None:
+            self._rtt = rtt_s if self._rtt is None else d * self._rtt + (1 - d) * rtt_s
+        self.rounds += 1
+        self._update_k()
+
+    def observe_load(self, queue_len: int, batch_tokens: int) -> None:
+        """The verifier's waiting requests and tokens in its current batch (smoothed)."""
+        d = 0.0 if not self._load_seen else self.params.load_decay   # the first report is taken as is
+        self._queue = d * self._queue + (1 - d) * queue_len
+        self._batch = d * self._batch + (1 - d) * batch_tokens
+        self._load_seen = True

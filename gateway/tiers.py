@@ -1,0 +1,175 @@
+"""Drafting tiers: the draft cache, then n-gram lookup in the request's own context, then the draft service.
+
+The first tier with a proposal drafts the round. Cache and n-gram drafts are one-hot proposals (dists=None), so
+the verifier's rejection sampling keeps every tier lossless at any temperature; a wrong draft only costs a few
+verified positions. A round that skips the draft service leaves its session behind; the next Propose sends every
+token since the last sync, so it catches up. Verified output tokens are written to the cache behind the request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from gateway.drafters import NO_DRAFT, Draft, ModelDrafter
+from gateway.ngram import propose_ngram
+from gateway.tier_stats import DraftingStats
+from gateway.validation import GenerationParams
+from kvstore import CacheSettings, open_cache
+from kvstore.base import MAX_CONTINUATION_TOKENS, DraftCache
+from kvstore.factory import parse_lens
+from protos.specmesh.v1 import common_pb2
+from specmesh.config import GatewayConfig
+
+TENANT_HEADER = "x-specmesh-tenant"
+DEFAULT_TENANT = "default"
+CACHE = common_pb2.DRAFT_SOURCE_CACHE
+NGRAM = common_pb2.DRAFT_SOURCE_NGRAM
+
+
+@dataclass(frozen=True)
+class TierSettings:
+    vocab_size: int
+    shared_scope: bool = False              # one cache scope for all tenants (opt-in)
+    enable_ngram: bool = True
+    ngram_sizes: tuple[int, ...] = (4, 3)
+    local_max_tokens: int = 16              # longest cache / n-gram draft per round
+    context_tail: int = 8                   # context tokens the cache keys look at
+
+
+def build_tiers(config: GatewayConfig, model: str, tokenizer: str, vocab_size: int) -> DraftTiers:
+    if config.cache_scope not in ("tenant", "shared"):
+        raise ValueError(f"cache_scope must be 'tenant' or 'shared', got {config.cache_scope!r}")
+    suffix_lens = parse_lens(config.cache_suffix_lens)
+    settings = TierSettings(vocab_size, config.cache_scope == "shared", config.enable_ngram,
+                            parse_lens(config.ngram_sizes), config.local_draft_tokens, max(suffix_lens))
+    cache = None
+    if config.enable_cache:
+        cache = open_cache(CacheSettings(config.redis_url, config.redis_cluster, config.cache_secret,
+                                         config.cache_encryption_key, config.cache_ttl_s, suffix_lens,
+                                         read_timeout_s=config.cache_read_timeout_s), model, tokenizer)
+    return DraftTiers(settings, cache)
+
+
+def tenant_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+    for key, value in metadata or ():
+        if key.lower() == TENANT_HEADER:
+            text = value.decode(errors="replace") if isinstance(value, bytes) else value
+            return text or DEFAULT_TENANT
+    return DEFAULT_TENANT
+
+
+class DraftTiers:
+    """Gateway-wide: the cache, the settings and the counters; makes one `TieredDrafter` per generation."""
+
+    def __init__(self, settings: TierSettings, cache: DraftCache | None) -> None:
+        self.settings = settings
+        self.cache = cache
+        self.stats = DraftingStats()
+
+    def drafter(self, params: GenerationParams, model: ModelDrafter | None, tenant: str) -> TieredDrafter:
+        scope = "shared" if self.settings.shared_scope else f"tenant:{tenant}"
+        return TieredDrafter(self, params.prompt_ids, params.max_new_tokens, scope, model)
+
+    def snapshot(self) -> dict[str, int]:
+        """Tier counters, draft-link bytes and the cache's own counters (`cache_store_*`), as plain ints."""
+        out = self.stats.snapshot()
+        if self.cache is not None:
+            out.update({f"cache_store_{k}": v for k, v in vars(self.cache.counters).items()})
+        return out
+
+    async def close(self) -> None:
+        if self.cache is not None:
+            await self.cache.close()
+
+
+class TieredDrafter:
+    def __init__(self, tiers: DraftTiers, prompt_ids: list[int], max_new_tokens: int, scope: str,
+                 model: ModelDrafter | None) -> None:
+        self.tiers = tiers
+        self.settings = tiers.settings
+        self.prompt_ids = prompt_ids
+        self.max_new_tokens = max_new_tokens
+        self.scope = scope
+        self.model = model
+        self.output_ids: list[int] = []
+        self._recorded = 0                           # output positions already written to the cache
+        self._caps = {CACHE: self.settings.local_max_tokens, NGRAM: self.settings.local_max_tokens}
+
+    async def prefill(self, prompt_ids: list[int], num_tokens: int) -> None:
+        if self.model is not None:
+            sent, received = self.model.bytes_sent, self.model.bytes_received
+            await self.model.prefill(prompt_ids, num_tokens)
+            self.tiers.stats.draft_bytes_sent += self.model.bytes_sent - sent
+            self.tiers.stats.draft_bytes_received += self.model.bytes_received - received
+
+    async def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
+        """num_tokens is the draft service's length; local drafts are free, so they fill the room left."""
+        room = max(self.max_new_tokens - (len(context_ids) - len(self.prompt_ids)) - 1, 0)
+        if room <= 0:
+            return NO_DRAFT
+        if self.tiers.cache is not None:
+            ids = await self.tiers.cache.lookup(self.scope, context_ids, min(room, self._caps[CACHE]))
+            if draft := self._count(CACHE, self._valid(ids)):
+                return draft
+        if self.settings.enable_ngram:
+            ids = propose_ngram(context_ids, self.settings.ngram_sizes, min(room, self._caps[NGRAM]))
+            if draft := self._count(NGRAM, ids):
+                return draft
+        return await self._from_model(context_ids, num_tokens)
+
+    def _valid(self, ids: Sequence[object]) -> list[int]:
+        """The leading ids that are real token ids (a cache may hold anything)."""
+        out: list[int] = []
+        for t in ids:
+            if not isinstance(t, int) or not 0 <= t < self.settings.vocab_size:
+                break
+            out.append(t)
+        return out
+
+    def _count(self, source: int, ids: list[int]) -> Draft | None:
+        counters = self.tiers.stats.tier(source)
+        if counters is not None:
+            if ids:
+                counters.hits += 1
+            else:
+                counters.misses += 1
+        return Draft(ids, None, source) if ids else None
+
+    async def _from_model(self, context_ids: list[int], num_tokens: int) -> Draft:
+        if self.model is None or num_tokens <= 0:
+            return NO_DRAFT
+        stats, sent, received = self.tiers.stats, self.model.bytes_sent, self.model.bytes_received
+        draft = await self.model.propose(context_ids, num_tokens)
+        stats.draft_bytes_sent += self.model.bytes_sent - sent
+        stats.draft_bytes_received += self.model.bytes_received - received
+        self._count(common_pb2.DRAFT_SOURCE_MODEL, draft.token_ids)
+        return draft
+
+    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int]) -> None:
+        counters = self.tiers.stats.tier(draft.source)
+        if counters is not None:
+            counters.drafted += len(draft.token_ids)
+            counters.accepted += num_accepted
+        if draft.source in self._caps:               # grow a tier's draft length while it is right, cut it when not
+            full = num_accepted == len(draft.token_ids)
+            cap = self._caps[draft.source] * 2 if full else num_accepted + 1
+            self._caps[draft.source] = max(1, min(cap, self.settings.local_max_tokens))
+        self.output_ids = output_ids
+        self._record(len(output_ids) - MAX_CONTINUATION_TOKENS)
+
+    def _record(self, upto: int) -> None:
+        """Writes the verified continuation after each output position < upto to the cache."""
+        cache, out = self.tiers.cache, self.output_ids
+        if cache is None:
+            return
+        tail, prompt = self.settings.context_tail, self.prompt_ids
+        for p in range(self._recorded, upto):
+            context = out[p - tail:p] if p >= tail else prompt[max(0, len(prompt) - tail + p):] + out[:p]
+            cache.record(self.scope, context, out[p:p + MAX_CONTINUATION_TOKENS])
+        self._recorded = max(self._recorded, upto)
+
+    async def close(self) -> None:
+        self._record(len(self.output_ids))           # the last positions, with shorter continuations
+        if self.model is not None:
+            await self.model.close()

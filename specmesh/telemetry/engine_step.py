@@ -1,0 +1,55 @@
+"""The span and metrics of one batched engine forward.
+
+The engine runs on its own thread and one forward serves many requests, so its span cannot be a child of all of
+them: it starts its own trace and carries a LINK to the span of every request it served (the span that was
+current when the request's work item was submitted, see `Completion.span_context`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+from opentelemetry import trace
+from opentelemetry.trace import Link, SpanContext
+
+from specmesh.engine.scheduler import ScheduledItem
+from specmesh.telemetry.metrics import EngineMetrics
+
+_tracer = trace.get_tracer("specmesh.engine")
+_ROOT = trace.set_span_in_context(trace.INVALID_SPAN)
+
+
+def _links(contexts: Iterable[SpanContext | None]) -> list[Link]:
+    seen: set[int] = set()
+    links = []
+    for ctx in contexts:
+        if ctx is not None and ctx.is_valid and ctx.span_id not in seen:
+            seen.add(ctx.span_id)
+            links.append(Link(ctx))
+    return links
+
+
+def batch_attributes(batch: Sequence[ScheduledItem]) -> dict[str, int]:
+    """Sequences and tokens of a forward; prefill = context tokens beyond the one-token decode step."""
+    context = [min(len(i.token_ids), len(i.request.seq.token_ids) - i.start_pos) for i in batch]
+    return {"specmesh.batch.num_seqs": len(batch), "specmesh.batch.num_tokens": sum(len(i.token_ids) for i in batch),
+            "specmesh.batch.num_prefill_tokens": sum(n for n in context if n > 1)}
+
+
+@contextmanager
+def forward_span(engine: str, metrics: EngineMetrics, batch: Sequence[ScheduledItem],
+                 links: Iterable[SpanContext | None] | None) -> Iterator[None]:
+    """Wraps one forward: a span named "<engine> forward" (unless links is None) and the batch metrics."""
+    start = time.perf_counter()
+    attributes = batch_attributes(batch)
+    if links is None:
+        yield
+    else:
+        with _tracer.start_as_current_span(f"{engine} forward", context=_ROOT, links=_links(links),
+                                           attributes=attributes):
+            yield
+    metrics.forward_seconds.observe(time.perf_counter() - start)
+    metrics.batch_size.observe(len(batch))
+    metrics.batch_tokens.observe(attributes["specmesh.batch.num_tokens"])

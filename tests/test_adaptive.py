@@ -1,0 +1,130 @@
+"""Adaptive draft length: k follows acceptance, costs, RTT and verifier load, with hysteresis."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gateway.adaptive import AdaptiveParams, DraftLengthController, expected_tokens
+
+
+def run_rounds(ctrl: DraftLengthController, rounds: int, acceptance: float, draft_per_token: float = 0.01,
+               verify_base: float = 0.1, verify_per_token: float = 0.004, rtt: float | None = None,
+               seed: int = 0) -> list[int]:
+    """Simulate rounds: each drafted token is accepted with prob `acceptance` until the first rejection."""
+    rng = random.Random(seed)
+    ks = []
+    for _ in range(rounds):
+        k = ctrl.next_k()
+        ks.append(k)
+        accepted = 0
+        while accepted < k and rng.random() < acceptance:
+            accepted += 1
+        ctrl.observe(k, accepted, draft_s=k * draft_per_token, verify_s=verify_base + verify_per_token * k,
+                     rtt_s=rtt)
+    return ks
+
+
+def steady_k(acceptance: float, min_k: int = 0, **kwargs) -> int:
+    ctrl = DraftLengthController(min_k=min_k, max_k=16, initial_k=4)
+    run_rounds(ctrl, 200, acceptance, **kwargs)
+    return ctrl.k
+
+
+@pytest.mark.parametrize("a", [0.0, 0.3, 0.8, 0.95])
+@pytest.mark.parametrize("k", [0, 1, 4, 16])
+def test_expected_tokens_matches_closed_form(a: float, k: int) -> None:
+    assert expected_tokens([a] * 16, k) == pytest.approx((1 - a ** (k + 1)) / (1 - a))
+
+
+def test_high_acceptance_grows_k_to_max() -> None:
+    ctrl = DraftLengthController(min_k=0, max_k=16, initial_k=4)
+    ks = run_rounds(ctrl, 40, acceptance=1.0)
+    assert ks[0] == 4
+    assert ctrl.k == 16 and ks[-1] == 16
+    assert ctrl.acceptance() > 0.95
+
+
+def test_low_acceptance_shrinks_k() -> None:
+    ctrl = DraftLengthController(min_k=0, max_k=16, initial_k=8)
+    run_rounds(ctrl, 40, acceptance=0.0)
+    assert ctrl.k == 0
+    ctrl1 = DraftLengthController(min_k=1, max_k=16, initial_k=8)
+    run_rounds(ctrl1, 40, acceptance=0.0)
+    assert ctrl1.k == 1 and ctrl1.next_k() == 1
+
+
+def test_single_outlier_round_does_not_change_k() -> None:
+    ctrl = DraftLengthController(min_k=0, max_k=16, initial_k=4)
+    run_rounds(ctrl, 60, acceptance=0.8, seed=1)
+    k = ctrl.k
+    assert 2 <= k <= 16
+    ctrl.observe(k, 0, draft_s=k * 0.01, verify_s=0.1 + 0.004 * k)   # everything rejected, once
+    assert ctrl.k == k and ctrl.next_k() == k
+    ctrl.observe(k, k, draft_s=k * 0.01, verify_s=5.0)                # one absurdly slow verify
+    assert ctrl.k == k
+
+
+def test_noisy_acceptance_does_not_flip_k_every_round() -> None:
+    ctrl = DraftLengthController(min_k=0, max_k=16, initial_k=4)
+    ks = run_rounds(ctrl, 300, acceptance=0.7, seed=2)
+    changes = sum(1 for x, y in zip(ks[50:], ks[51:], strict=False) if x != y)
+    assert changes <= 10, ks[50:]
+    no_hysteresis = DraftLengthController(min_k=0, max_k=16, initial_k=4,
+                                          params=AdaptiveParams(margin=0.0, patience=1, decay=0.5))
+    ks_raw = run_rounds(no_hysteresis, 300, acceptance=0.7, seed=2)
+    raw_changes = sum(1 for x, y in zip(ks_raw[50:], ks_raw[51:], strict=False) if x != y)
+    assert raw_changes > changes   # the hysteresis is what keeps it stable
+
+
+def test_expensive_drafts_give_smaller_k() -> None:
+    cheap = steady_k(0.8, draft_per_token=0.002)
+    pricey = steady_k(0.8, draft_per_token=0.05)
+    assert pricey < cheap
+    assert steady_k(0.8, draft_per_token=0.5) == 0   # a draft token costs more than a verify: don't draft
+
+
+def test_link_rtt_favours_longer_blocks() -> None:
+    assert steady_k(0.8, min_k=1, rtt=0.2) > steady_k(0.8, min_k=1, rtt=0.0)
+    # a round trip dearer than what speculation saves: target-only (k = 0) wins when allowed
+    assert steady_k(0.8, rtt=0.0) > 0 and steady_k(0.8, rtt=0.2) == 0
+
+
+def test_verify_cost_slope_is_learned() -> None:
+    ctrl = DraftLengthController(max_k=16)
+    for k in (1, 4, 8, 1, 4, 8):
+        ctrl.observe(k, k, draft_s=0.01 * k, verify_s=0.1 + 0.05 * k)
+    assert ctrl.verify_cost(16) == pytest.approx(0.1 + 0.05 * 16, rel=1e-6)
+    assert ctrl.draft_cost() == pytest.approx(0.01)
+
+
+def test_load_cuts_speculation_and_recovers() -> None:
+    ctrl = DraftLengthController(min_k=0, max_k=16, initial_k=4)
+    run_rounds(ctrl, 40, acceptance=1.0)
+    assert ctrl.next_k() == 16
+    ctrl.observe_load(queue_len=20, batch_tokens=0)
+    assert ctrl.next_k() == 0
+    for _ in range(8):   # smoothed: settles halfway between low (64) and off (512) batch tokens
+        ctrl.observe_load(queue_len=0, batch_tokens=288)
+    assert 6 <= ctrl.next_k() <= 10
+    for _ in range(12):
+        ctrl.observe_load(queue_len=0, batch_tokens=0)
+    assert ctrl.next_k() == 16
+
+
+def test_probing_recovers_from_zero_when_draft_improves() -> None:
+    ctrl = DraftLengthController(min_k=0, max_k=16, initial_k=4)
+    run_rounds(ctrl, 40, acceptance=0.0)
+    assert ctrl.k == 0
+    ks = run_rounds(ctrl, 120, acceptance=1.0, seed=3)
+    assert any(k > 0 for k in ks[:20])        # a probe round within probe_every rounds
+    assert ctrl.k >= 8
+
+
+def test_rejects_bad_counts() -> None:
+    ctrl = DraftLengthController()
+    with pytest.raises(ValueError):
+        ctrl.observe(2, 3, 0.0, 0.1)
+    with pytest.raises(ValueError):
+        DraftLengthController(min_k=5, max_k=4)

@@ -1,0 +1,135 @@
+"""deploy/: the compose file and the Kubernetes manifests agree with the code (config fields, ports, drain time),
+and the container health check speaks grpc.health.v1."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2
+
+from specmesh.config import DraftConfig, GatewayConfig, VerifierConfig, _flat_fields
+from specmesh.grpc_server import ServiceServer, serve_until_signal
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+CONFIGS = {"GATEWAY": GatewayConfig, "VERIFIER": VerifierConfig, "DRAFT": DraftConfig}
+DRAIN_S = inspect.signature(serve_until_signal).parameters["grace_s"].default
+SERVICES = {"gateway": "GATEWAY", "verifier": "VERIFIER", "draft": "DRAFT"}
+
+
+def _compose() -> dict:
+    return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+
+
+def _k8s_docs() -> list[dict]:
+    docs = []
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def _check_env_names(env: dict[str, str], where: str) -> None:
+    for name in env:
+        m = re.fullmatch(r"SPECMESH_(GATEWAY|VERIFIER|DRAFT)_(\w+)", name)
+        if m:
+            leaves = {dotted.rsplit(".", 1)[-1].upper() for dotted, _ in _flat_fields(CONFIGS[m[1]])}
+            assert m[2] in leaves, f"{where}: {name} is not a field of {CONFIGS[m[1]].__name__}"
+
+
+def test_compose_env_ports_and_health_checks_match_the_code() -> None:
+    services = _compose()["services"]
+    prometheus = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    targets = {t for job in prometheus["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
+    for name, prefix in SERVICES.items():
+        svc = services[name]
+        env = svc["environment"]
+        _check_env_names(env, f"compose {name}")
+        port = env[f"SPECMESH_{prefix}_PORT"]
+        assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "specmesh.healthcheck", f"127.0.0.1:{port}"]
+        assert f"{name}:{env[f'SPECMESH_{prefix}_METRICS_PORT']}" in targets, f"prometheus does not scrape {name}"
+        assert float(svc["stop_grace_period"].rstrip("s")) > DRAIN_S
+    gateway = services["gateway"]["environment"]
+    for name in ("verifier", "draft"):
+        port = services[name]["environment"][f"SPECMESH_{name.upper()}_PORT"]
+        assert gateway[f"SPECMESH_GATEWAY_{name.upper()}_ADDR"] == f"{name}:{port}"
+
+
+def test_compose_tls_overlay_uses_real_settings_and_the_certificates_make_certs_writes() -> None:
+    overlay = yaml.safe_load((DEPLOY / "docker-compose.tls.yml").read_text())["services"]
+    make_certs = (DEPLOY / "make_certs.sh").read_text()
+    for name, prefix in SERVICES.items():
+        env = overlay[name]["environment"]
+        _check_env_names(env, f"compose TLS overlay {name}")
+        assert env[f"SPECMESH_{prefix}_TLS_CERT"] == f"/certs/{name}.pem"
+        probe = overlay[name]["healthcheck"]["test"]
+        assert probe[:4] == ["CMD", "python", "-m", "specmesh.healthcheck"] and "/certs/ca.pem" in probe
+        if f"SPECMESH_{prefix}_TLS_CLIENT_CA" in env:                  # mutual TLS: the probe shows a certificate
+            assert f"/certs/{name}.pem" in probe
+    assert "for name in verifier draft gateway client" in make_certs
+
+
+def test_k8s_probes_and_graceful_termination() -> None:
+    docs = _k8s_docs()
+    config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]
+    _check_env_names(config, "k8s ConfigMap")
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    for name, prefix in SERVICES.items():
+        pod = deployments[f"specmesh-{name}"]["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        port = int(config[f"SPECMESH_{prefix}_PORT"])
+        assert container["args"] == [name]
+        _check_env_names({e["name"]: e for e in container.get("env", [])}, f"k8s {name} env")
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"]["port"] == port, f"{name} {probe}"
+        pre_stop_s = float(container["lifecycle"]["preStop"]["exec"]["command"][-1])
+        assert pod["terminationGracePeriodSeconds"] >= pre_stop_s + DRAIN_S + 5, f"{name}: no time left to drain"
+        assert container["resources"]["requests"]["cpu"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+    hpa = next(d for d in docs if d["kind"] == "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "specmesh-verifier"
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "specmesh_verifier_queue_length"
+
+
+async def _healthcheck(addr: str) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "specmesh.healthcheck", addr, "--timeout", "2",
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await proc.communicate()
+    return proc.returncode, out.decode()
+
+
+@pytest.mark.timeout(60)
+async def test_healthcheck_cli_reports_serving_not_serving_and_unreachable() -> None:
+    server = ServiceServer([], lambda s: None)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        assert await _healthcheck(f"127.0.0.1:{port}") == (0, f"127.0.0.1:{port}: SERVING\n")
+        await server.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        code, out = await _healthcheck(f"127.0.0.1:{port}")
+        assert code == 1 and "NOT_SERVING" in out
+    finally:
+        await server.stop(0)
+    code, out = await _healthcheck(f"127.0.0.1:{port}")
+    assert code == 2 and "UNAVAILABLE" in out
+
+
+def _exported_names() -> set[str]:
+    from specmesh.telemetry.metrics import EngineMetrics, GatewayMetrics
+
+    suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_sum", "_count"]}
+    return {m.name + s for reg in (GatewayMetrics().registry, EngineMetrics().registry)
+            for m in reg.collect() for s in suffixes[m.type]}
+
+
+def test_dashboard_queries_only_metrics_the_services_export() -> None:
+    dashboard = (DEPLOY / "grafana" / "dashboards" / "specmesh.json").read_text()
+    used = set(re.findall(r"specmesh_[a-z_]+", dashboard))
+    assert used, "dashboard has no specmesh queries"
+    assert used <= _exported_names(), f"unknown metrics: {sorted(used - _exported_names())}"
+    adapter = yaml.safe_load((DEPLOY / "prometheus-adapter-values.yaml").read_text())
+    assert "specmesh_engine_queue_length" in _exported_names()
+    assert adapter["rules"]["custom"][0]["name"]["as"] == "specmesh_verifier_queue_length"

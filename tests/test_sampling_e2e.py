@@ -1,0 +1,75 @@
+"""Invariant 2 through the full stack: sampled tokens follow the target's (processed) distribution exactly,
+whether the drafts are accepted (identical draft) or mostly rejected (unrelated draft: residual resampling)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import pytest
+import pytest_asyncio
+import torch
+from scipy.stats import chisquare
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specmesh import client
+from specmesh.models import resolve_model_dir
+from specmesh.sampling import SamplingParams, logits_to_probs
+from tests.stack import start_draft, start_gateway, start_verifier
+
+PROMPT = "The quick brown fox"
+NUM_SAMPLES = 360
+PARAMS = SamplingParams(temperature=1.0, top_k=4)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def stack():
+    verifier = await start_verifier()
+    same = await start_draft("tiny-draft")
+    unrelated = await start_draft("tiny-draft-unrelated")
+    gateways = {"same": await start_gateway(verifier.addr, same.addr),
+                "unrelated": await start_gateway(verifier.addr, unrelated.addr)}
+    yield gateways
+    for running in (*gateways.values(), same, unrelated, verifier):
+        await running.stop()
+
+
+@torch.inference_mode()
+def target_probs(context_ids: list[int]) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir("tiny-target")), dtype=torch.float32).eval()
+    logits = model(input_ids=torch.tensor([context_ids])).logits[:, -1]
+    return logits_to_probs(logits, PARAMS)[0]
+
+
+async def sample_pairs(addr: str) -> list[tuple[int, int]]:
+    async def one(seed: int) -> tuple[int, int]:
+        request = client.make_request(PROMPT, max_new_tokens=2, ignore_eos=True, temperature=PARAMS.temperature,
+                                      top_k=PARAMS.top_k, seed=seed, num_draft_tokens=2)
+        ids = [t async for r in client.stream(addr, request, timeout_s=60) for t in r.token_ids]
+        return ids[0], ids[1]
+
+    pairs: list[tuple[int, int]] = []
+    for start in range(0, NUM_SAMPLES, 40):
+        pairs += await asyncio.gather(*[one(seed) for seed in range(start, start + 40)])
+    return pairs
+
+
+def assert_follows(samples: list[int], probs: torch.Tensor) -> None:
+    support = torch.nonzero(probs).flatten().tolist()
+    counts = collections.Counter(samples)
+    assert set(counts) <= set(support), f"sampled outside the target's support: {set(counts) - set(support)}"
+    observed = [counts[t] for t in support]
+    expected = [float(probs[t]) * len(samples) for t in support]
+    assert chisquare(observed, expected).pvalue > 1e-3, (observed, expected)
+
+
+@pytest.mark.parametrize("draft", ["same", "unrelated"])
+async def test_sampled_tokens_follow_the_target_distribution(stack, draft: str) -> None:
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_dir("tiny-target")))
+    prompt_ids = tok(PROMPT)["input_ids"]
+    pairs = await sample_pairs(stack[draft].addr)
+    assert_follows([a for a, _ in pairs], target_probs(prompt_ids))          # from the prefill
+    first = collections.Counter(a for a, _ in pairs).most_common(1)[0][0]
+    second = [b for a, b in pairs if a == first]                             # from a verify round with drafts
+    assert len(second) >= 60
+    assert_follows(second, target_probs(prompt_ids + [first]))

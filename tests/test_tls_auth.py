@@ -1,0 +1,166 @@
+"""TLS on every gRPC hop with deploy/make_certs.sh certificates, mutual TLS to the internal services, and API keys
+on the public API (gRPC and the OpenAI-compatible HTTP API)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import grpc
+import openai
+import pytest
+import pytest_asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from draft_service.server import build_draft
+from gateway.openai_http import ServedModel, loopback_channel_factory, start_openai_http
+from gateway.server import build_gateway
+from protos.specmesh.v1 import generate_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from specmesh import client
+from specmesh.config import DraftConfig, EngineConfig, GatewayConfig, TlsConfig, VerifierConfig
+from tests.test_node_client import ensure_node_client, run_node
+from verifier_service.server import build_verifier
+
+MAKE_CERTS = Path(__file__).resolve().parent.parent / "deploy" / "make_certs.sh"
+REQUEST = client.make_request("The quick brown fox", max_new_tokens=8, ignore_eos=True, num_draft_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two independent local CAs: `good` signs every service, `other` is the wrong CA."""
+    dirs = {name: tmp_path_factory.mktemp(f"certs-{name}") for name in ("good", "other")}
+    for d in dirs.values():
+        subprocess.run(["bash", str(MAKE_CERTS), "--out", str(d)], check=True, capture_output=True, timeout=60)
+    return dirs
+
+
+def service_tls(d: Path, name: str, mutual: bool) -> TlsConfig:
+    """Serves with <name>.pem; requires client certificates when mutual; calls others with ca.pem + its cert."""
+    return TlsConfig(tls_cert=str(d / f"{name}.pem"), tls_key=str(d / f"{name}.key"),
+                     tls_client_ca=str(d / "ca.pem") if mutual else "", tls_ca=str(d / "ca.pem"),
+                     tls_client_cert=str(d / f"{name}.pem"), tls_client_key=str(d / f"{name}.key"))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def stack(certs):
+    good = certs["good"]
+    engine = EngineConfig(model="tiny-target", kv_cache_memory_mb=16)
+    verifier, v_engine = build_verifier(VerifierConfig(port=0, engine=engine, tls=service_tls(good, "verifier", True)))
+    v_port = await verifier.start("127.0.0.1", 0)
+    draft, d_engine = build_draft(DraftConfig(port=0, engine=EngineConfig(model="tiny-draft", kv_cache_memory_mb=16),
+                                              tls=service_tls(good, "draft", True)))
+    d_port = await draft.start("127.0.0.1", 0)
+    config = GatewayConfig(port=0, verifier_addr=f"127.0.0.1:{v_port}", draft_addr=f"127.0.0.1:{d_port}",
+                           enable_cache=False, enable_ngram=False, api_keys="key-1, key-2",
+                           tls=service_tls(good, "gateway", False))
+    gateway = await build_gateway(config, wait_for_verifier_s=30)
+    g_port = await gateway.start("127.0.0.1", 0)
+    http = await start_openai_http(ServedModel("tiny-target", 1024, 0), "127.0.0.1", 0,
+                                   lambda: f"127.0.0.1:{g_port}", loopback_channel_factory(config))
+    yield {"gateway": f"127.0.0.1:{g_port}", "verifier": f"127.0.0.1:{v_port}", "http": http.port}
+    await http.close()
+    for server in (gateway, draft, verifier):
+        await server.stop(0)
+    v_engine.stop()
+    d_engine.stop()
+
+
+def tls_channel(addr: str, ca: Path | None, cert_dir: Path | None = None, name: str = "client") -> grpc.aio.Channel:
+    if ca is None:
+        return grpc.aio.insecure_channel(addr)
+    key = (cert_dir / f"{name}.key").read_bytes() if cert_dir else None
+    chain = (cert_dir / f"{name}.pem").read_bytes() if cert_dir else None
+    return grpc.aio.secure_channel(addr, grpc.ssl_channel_credentials(ca.read_bytes(), key, chain))
+
+
+async def complete(addr: str, ca: Path | None, key: str | None):
+    metadata = (("authorization", key),) if key is not None else ()
+    async with tls_channel(addr, ca) as channel:
+        return await generate_pb2_grpc.GenerationStub(channel).Complete(REQUEST, metadata=metadata, timeout=60)
+
+
+async def test_generation_over_tls_and_mutual_tls(stack, certs) -> None:
+    reply = await complete(stack["gateway"], certs["good"] / "ca.pem", "Bearer key-2")
+    assert reply.usage.completion_tokens == 8
+    assert reply.usage.num_drafted_tokens > 0          # the gateway -> draft hop (mutual TLS) worked too
+
+
+@pytest.mark.parametrize("ca", ["other", None], ids=["wrong-ca", "plaintext"])
+async def test_wrong_ca_or_plaintext_fails_the_handshake(stack, certs, ca) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await complete(stack["gateway"], certs[ca] / "ca.pem" if ca else None, "Bearer key-1")
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize(("cert_dir", "ok"), [("good", True), (None, False), ("other", False)],
+                         ids=["good-client-cert", "no-client-cert", "client-cert-from-wrong-ca"])
+async def test_internal_service_requires_a_client_certificate(stack, certs, cert_dir, ok) -> None:
+    channel = tls_channel(stack["verifier"], certs["good"] / "ca.pem", certs[cert_dir] if cert_dir else None)
+    async with channel:
+        call = verifier_pb2_grpc.VerifierStub(channel).GetModelInfo(verifier_pb2.GetModelInfoRequest(), timeout=10)
+        if ok:
+            assert (await call).model_name == "tiny-target"
+        else:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize(("key", "code"), [(None, grpc.StatusCode.UNAUTHENTICATED),
+                                           ("Basic key-1", grpc.StatusCode.UNAUTHENTICATED),
+                                           ("Bearer ", grpc.StatusCode.UNAUTHENTICATED),
+                                           ("Bearer key-3", grpc.StatusCode.PERMISSION_DENIED)])
+async def test_missing_or_wrong_api_key_is_rejected(stack, certs, key, code) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await complete(stack["gateway"], certs["good"] / "ca.pem", key)
+    assert info.value.code() == code
+    async with tls_channel(stack["gateway"], certs["good"] / "ca.pem") as channel:   # streaming is guarded too
+        call = generate_pb2_grpc.GenerationStub(channel).Generate(REQUEST, metadata=(("authorization", key or ""),))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in call:
+                pass
+        assert info.value.code() == code
+
+
+async def test_health_stays_open_and_healthcheck_cli_speaks_tls(stack, certs) -> None:
+    async with tls_channel(stack["gateway"], certs["good"] / "ca.pem") as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    for extra, expected in ((["--ca", str(certs["good"] / "ca.pem")], 0), ([], 2)):
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "specmesh.healthcheck", stack["gateway"],
+                                                    *extra, stdout=asyncio.subprocess.DEVNULL,
+                                                    stderr=asyncio.subprocess.DEVNULL)
+        assert await proc.wait() == expected
+
+
+async def test_openai_http_forwards_the_api_key(stack) -> None:
+    base = f"http://127.0.0.1:{stack['http']}/v1"
+    api = openai.AsyncOpenAI(base_url=base, api_key="key-1", max_retries=0)
+    reply = await api.completions.create(model="tiny-target", prompt="The quick", max_tokens=4, temperature=0)
+    assert reply.usage.completion_tokens == 4
+    with pytest.raises(openai.PermissionDeniedError):
+        await openai.AsyncOpenAI(base_url=base, api_key="nope", max_retries=0).completions.create(
+            model="tiny-target", prompt="x", max_tokens=4)
+    body = {"model": "tiny-target", "prompt": "x"}
+    async with aiohttp.ClientSession() as session, session.post(f"{base}/completions", json=body) as response:
+        assert response.status == 401
+        assert (await response.json())["error"]["code"] == "unauthenticated"
+    await api.close()
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed (Node.js 18+ needed)")
+async def test_node_client_speaks_tls_with_an_api_key(stack, certs) -> None:
+    node_client = await asyncio.to_thread(ensure_node_client)
+    expected = await complete(stack["gateway"], certs["good"] / "ca.pem", "Bearer key-1")
+    args = ["--addr", stack["gateway"], "--ca", str(certs["good"] / "ca.pem"), "--max-new-tokens", "8",
+            "--ignore-eos", "--num-draft-tokens", "3", "--json"]
+    code, out, err = await run_node(node_client, *args, "--api-key", "key-1", "The quick brown fox")
+    assert code == 0, err
+    assert json.loads(out)["text"] == expected.text
+    code, _, err = await run_node(node_client, *args, "--api-key", "wrong", "The quick brown fox")
+    assert code == 1 and "PERMISSION_DENIED" in err
