@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
 from opentelemetry.context import Context
 
+from gateway.adaptive import DraftLengthController
 from gateway.drafters import NO_DRAFT, Drafter
 from gateway.round_spans import end_session_span, prefill_span, record_round, round_span
 from gateway.validation import GenerationParams
@@ -36,13 +38,15 @@ class Generation:
 
     def __init__(self, params: GenerationParams, session_id: str,
                  verifiers: Sequence[verifier_pb2_grpc.VerifierStub],
-                 drafter: Drafter | None, verifier_timeout_s: float, trace_context: Context | None = None) -> None:
+                 drafter: Drafter | None, verifier_timeout_s: float, trace_context: Context | None = None,
+                 draft_length: DraftLengthController | None = None) -> None:
         self.params = params
         self.trace_context = trace_context          # the request span: parent of the prefill / round spans
         self.session_id = session_id
         self.verifiers = list(verifiers)            # replicas in the order to try; the session stays on one
         self.verifier = self.verifiers[0]
         self.drafter = drafter
+        self.draft_length = draft_length            # adaptive draft length (None: the request's fixed k)
         self.timeout_s = verifier_timeout_s
         self.output_ids: list[int] = []
         self.num_cached_prompt_tokens = 0
@@ -63,13 +67,19 @@ class Generation:
             round_index += 1
             remaining = self.params.max_new_tokens - len(self.output_ids)
             # Drafting past the last token the client can receive is wasted work.
-            num_draft = min(self.params.num_draft_tokens, max(remaining - 1, 0))
+            wanted = self.draft_length.next_k() if self.draft_length else self.params.num_draft_tokens
+            num_draft = min(wanted, max(remaining - 1, 0))
             context = self.params.prompt_ids + self.output_ids
             with round_span(self.trace_context, round_index) as span:
+                started = time.perf_counter()
                 draft = await self.drafter.propose(context, num_draft) if self.drafter else NO_DRAFT
+                drafted = time.perf_counter()
                 result = await self.verifier.Verify(verifier_pb2.VerifyRequest(
                     session_id=self.session_id, draft_token_ids=draft.token_ids,
                     draft_dists=sparse_dists_to_proto(draft.dists or [])), timeout=self.timeout_s)
+                if self.draft_length is not None:
+                    self.draft_length.observe(len(draft.token_ids), result.num_accepted, drafted - started,
+                                              time.perf_counter() - drafted)
                 record_round(span, draft, result.num_accepted)
             tokens = list(result.token_ids)
             self.output_ids.extend(tokens)

@@ -14,6 +14,7 @@ import grpc
 from opentelemetry.context import Context
 from transformers import PreTrainedTokenizerBase
 
+from gateway.adaptive import DraftLengthController
 from gateway.drafters import ModelDrafter
 from gateway.request_telemetry import RequestTelemetry
 from gateway.round_loop import Generation, RoundOutput
@@ -118,7 +119,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             drafter = self.tiers.drafter(params, drafter, tenant_from_metadata(context.invocation_metadata()))
         first = next(self._next_replica) % len(self.verifiers)
         order = self.verifiers[first:] + self.verifiers[:first]
-        return Generation(params, session_id, order, drafter, verifier_timeout, trace_context)
+        draft_length = None
+        if self.config.adaptive_draft_length and params.num_draft_tokens > 0:
+            draft_length = DraftLengthController(max_k=params.num_draft_tokens, initial_k=params.num_draft_tokens)
+        return Generation(params, session_id, order, drafter, verifier_timeout, trace_context, draft_length)
 
     async def _stream(self, params: GenerationParams,
                       generation: Generation) -> AsyncIterator[generate_pb2.GenerateResponse]:

@@ -81,6 +81,7 @@ class GatewayConfig:
     draft_addr: str = "127.0.0.1:50062"   # "" = no draft service (target-only)
     tokenizer: str = ""                    # model reference for the tokenizer; "" = the verifier's model
     num_draft_tokens: int = 4              # default draft length per round
+    adaptive_draft_length: bool = False    # pick k per round from acceptance and measured costs (<= the request's)
     max_draft_tokens: int = 16             # largest per-request draft length accepted
     default_max_new_tokens: int = 256
     max_new_tokens_limit: int = 4096

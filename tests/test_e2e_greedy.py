@@ -38,9 +38,11 @@ async def stack():
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir("tiny-target")))
     no_ahead = await start_draft("tiny-draft", draft_ahead=False)
     gw_no_ahead = await start_gateway(verifier.addr, no_ahead.addr)
+    gw_adaptive = await start_gateway(verifier.addr, unrelated.addr, adaptive_draft_length=True)
     yield {"verifier": verifier, "same": gw_same, "unrelated": gw_unrelated, "dead": gw_dead_draft,
-           "no_ahead": gw_no_ahead, "tokenizer": tokenizer, "same_draft": same}
-    for running in (gw_same, gw_unrelated, gw_dead_draft, gw_no_ahead, same, unrelated, no_ahead, verifier):
+           "no_ahead": gw_no_ahead, "adaptive": gw_adaptive, "tokenizer": tokenizer, "same_draft": same}
+    for running in (gw_same, gw_unrelated, gw_dead_draft, gw_no_ahead, gw_adaptive, same, unrelated, no_ahead,
+                    verifier):
         await running.stop()
 
 
@@ -100,6 +102,18 @@ async def test_target_only_and_dead_draft_equal_reference(stack) -> None:
                                            ignore_eos=True)
         assert ids == expected                       # draft service down: target-only fallback, same output
         assert responses[-1].usage.num_drafted_tokens == 0
+
+
+async def test_adaptive_draft_length_stays_exact_and_backs_off(stack) -> None:
+    """With an unrelated draft (acceptance ~0) the controller shortens drafts; output is unchanged."""
+    tok = stack["tokenizer"]
+    prompt = PROMPTS[3]
+    expected = reference_greedy(prompt_ids(tok, prompt), 64)
+    ids, _, responses = await generate(stack["adaptive"].addr, prompt, max_new_tokens=64, num_draft_tokens=8,
+                                       ignore_eos=True)
+    assert ids == expected
+    drafted = [r.round.num_drafted for r in responses if r.round.round > 0]
+    assert drafted[0] == 8 and sum(drafted[-5:]) < 5 * 8
 
 
 async def test_concurrent_sessions_share_the_verifier(stack) -> None:

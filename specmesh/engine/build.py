@@ -10,13 +10,15 @@ import torch
 
 from specmesh.config import EngineConfig
 from specmesh.engine.block_manager import BlockManager
+from specmesh.engine.int8_linear import quantize_linears
 from specmesh.engine.model_runner import ModelRunner, kv_cache_geometry
 from specmesh.engine.paged_attention import PagedKVCache
 from specmesh.models import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# "int8": float32 weights quantized to int8 with per-token activation scales (batch-invariant, see int8_linear).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -45,5 +47,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         max_model_len = min(max_model_len, config.max_model_len)
     log.info("%s: %d KV blocks x %d tokens (%d MiB), max_model_len %d", config.model, num_blocks,
              config.block_size, num_blocks * per_block // 2**20, max_model_len)
-    runner = ModelRunner(loaded.model, num_blocks, config.block_size)
+    batch_invariant = config.dtype == "int8"
+    if batch_invariant:
+        log.info("%s: %d linear layers quantized to int8 (per-token activations)", config.model,
+                 quantize_linears(loaded.model))
+    runner = ModelRunner(loaded.model, num_blocks, config.block_size, batch_invariant=batch_invariant)
     return EngineParts(loaded, runner, BlockManager(num_blocks, config.block_size), max_model_len)

@@ -31,9 +31,12 @@ def kv_cache_geometry(model: PreTrainedModel) -> tuple[int, int, int]:
 
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, batch_invariant: bool = False) -> None:
+        """batch_invariant: attention one query at a time, so a token's numbers never depend on how many tokens
+        share the forward (needed with int8 per-token linears for exact greedy speculation)."""
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model.eval()
+        self.batch_invariant = batch_invariant
         num_layers, num_kv_heads, head_dim = kv_cache_geometry(model)
         dtype = kv_dtype or next(model.parameters()).dtype
         self.cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype)
@@ -57,7 +60,8 @@ class ModelRunner:
             slot_mapping.extend(item.kv_slots[item.start_pos:])
             seqs.append(SeqSlice(start, n, torch.tensor(item.kv_slots, dtype=torch.long)))
             keep.extend(range(start + n - item.num_logits, start + n))
-        batch = PagedBatch(self.cache, torch.tensor(slot_mapping, dtype=torch.long), tuple(seqs))
+        batch = PagedBatch(self.cache, torch.tensor(slot_mapping, dtype=torch.long), tuple(seqs),
+                           self.batch_invariant)
         hidden = self.model.model(
             input_ids=torch.tensor([input_ids], dtype=torch.long),
             position_ids=torch.tensor([position_ids], dtype=torch.long),

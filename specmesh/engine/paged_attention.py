@@ -50,6 +50,7 @@ class PagedBatch:
     cache: PagedKVCache
     slot_mapping: torch.Tensor    # [T] slot of each new token
     seqs: tuple[SeqSlice, ...]
+    rowwise: bool = False         # one 1-query SDPA call per token: bit-identical to a 1-token decode step
 
 
 def paged_attention_forward(
@@ -79,6 +80,9 @@ def paged_attention_forward(
         k = k_cache[seq.kv_slots].transpose(0, 1)                                # [kvH, ctx, D]
         v = v_cache[seq.kv_slots].transpose(0, 1)
         context_len = k.shape[1]
+        if paged_batch.rowwise:
+            outputs.append(_rowwise(q, k.to(q.dtype), v.to(q.dtype), scaling))
+            continue
         # Query i sits at position (context_len - query_len + i) and sees keys 0..that position.
         q_pos = torch.arange(context_len - seq.query_len, context_len).unsqueeze(1)
         mask = torch.arange(context_len).unsqueeze(0) <= q_pos                   # [q, ctx]
@@ -89,6 +93,16 @@ def paged_attention_forward(
         outputs.append(out[0])                                                   # [H, q, D]
     attn = torch.cat(outputs, dim=1)                                             # [H, T, D]
     return attn.transpose(0, 1).unsqueeze(0).contiguous(), None                  # [1, T, H, D]
+
+
+def _rowwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """q [H, n, D] for the last n of ctx positions; k, v [kvH, ctx, D]. Query i sees keys [0, ctx - n + i]."""
+    num_new, context_len = q.shape[1], k.shape[1]
+    gqa = q.shape[0] != k.shape[0]
+    rows = [F.scaled_dot_product_attention(q[None, :, i:i + 1], k[None, :, :context_len - num_new + i + 1],
+                                           v[None, :, :context_len - num_new + i + 1], scale=scaling,
+                                           enable_gqa=gqa)[0] for i in range(num_new)]
+    return torch.cat(rows, dim=1)                                                 # [H, n, D]
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

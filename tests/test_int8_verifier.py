@@ -1,0 +1,64 @@
+"""Batch-invariant int8 numerics: a k-token verify gives bit-identical logits to k one-token decodes, so greedy
+speculation on an int8 target equals target-only int8 decoding through the same stack, token for token."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import pytest_asyncio
+import torch
+from transformers import AutoModelForCausalLM
+
+from specmesh.engine.int8_linear import quantize_linears
+from specmesh.engine.model_runner import ForwardItem, ModelRunner
+from specmesh.models import resolve_model_dir
+from tests.stack import start_draft, start_gateway, start_verifier
+from tests.test_e2e_greedy import PROMPTS, generate
+
+
+def test_k_token_forward_is_bit_identical_to_one_token_steps() -> None:
+    model = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir("tiny-target")), dtype=torch.float32)
+    quantize_linears(model)
+    runner = ModelRunner(model, num_blocks=64, block_size=4, batch_invariant=True)
+    ids = torch.randint(3, 500, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    slots = list(range(64))
+    runner.forward([ForwardItem(ids[:12], 0, slots[:12], 1)])
+    block = runner.forward([ForwardItem(ids[12:20], 12, slots[:20], 8)])[0]           # 8 tokens at once
+    single = [runner.forward([ForwardItem(ids[i:i + 1], i, slots[:i + 1], 1)])[0][0] for i in range(12, 20)]
+    assert torch.equal(block, torch.stack(single))
+
+
+def test_dynamic_int8_is_not_batch_invariant() -> None:
+    """The control: torch's dynamic int8 (one activation scale per forward) does change with the batch."""
+    model = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir("tiny-target")), dtype=torch.float32)
+    dynamic = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear}, dtype=torch.qint8)
+    x = torch.randn(6, model.config.hidden_size) * torch.tensor([[1.0], [30.0], [1.0], [1.0], [1.0], [1.0]])
+    layer = dynamic.model.layers[0].mlp.gate_proj
+    assert not torch.equal(layer(x)[0], layer(x[:1])[0])
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def int8_stack():
+    verifier = await start_verifier(dtype="int8")
+    same = await start_draft("tiny-draft", dtype="int8")
+    unrelated = await start_draft("tiny-draft-unrelated")
+    gateways = {"same": await start_gateway(verifier.addr, same.addr),
+                "unrelated": await start_gateway(verifier.addr, unrelated.addr)}
+    yield gateways
+    for running in (*gateways.values(), same, unrelated, verifier):
+        await running.stop()
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 8])
+async def test_int8_speculation_equals_int8_target_only(int8_stack, k: int) -> None:
+    for prompt in PROMPTS[:4]:
+        expected, _, _ = await generate(int8_stack["same"].addr, prompt, max_new_tokens=32, num_draft_tokens=0,
+                                        ignore_eos=True)
+        for draft in ("same", "unrelated"):
+            ids, _, responses = await generate(int8_stack[draft].addr, prompt, max_new_tokens=32,
+                                               num_draft_tokens=k, ignore_eos=True)
+            assert ids == expected, (draft, k, prompt)
+            usage = responses[-1].usage
+            if draft == "same":
+                assert usage.num_accepted_tokens == usage.num_drafted_tokens > 0
