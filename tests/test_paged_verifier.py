@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -102,3 +103,25 @@ async def test_gateway_maps_resource_exhausted() -> None:
     finally:
         for running in (gateway, verifier):
             await running.stop()
+
+
+async def test_expired_work_is_dropped_from_the_batch() -> None:
+    """Work whose caller's deadline passed while it waited is failed with DEADLINE_EXCEEDED, not computed."""
+    verifier = await start_verifier()
+    engine = verifier.engine
+    try:
+        engine.stop()                               # freeze the engine thread: run its steps by hand
+        params = SamplingParams()
+        expired = engine.start_session("late", [1, 2, 3], params, deadline=time.monotonic() - 1)
+        alive = engine.start_session("on-time", [1, 2, 3], params, deadline=time.monotonic() + 60)
+        for _ in range(2):
+            engine.handle(engine._inbox.get_nowait())
+        steps = engine.num_steps
+        engine.step()
+        with pytest.raises(EngineError) as info:
+            await expired.future
+        assert info.value.code == "DEADLINE_EXCEEDED"
+        assert (await alive.future).token_ids                  # the other session ran in the same step
+        assert engine.num_steps == steps + 1 and "late" not in engine.sessions
+    finally:
+        await verifier.server.stop(0)
