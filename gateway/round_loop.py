@@ -49,7 +49,6 @@ class Generation:
         self.draft_length = draft_length            # adaptive draft length (None: the request's fixed k)
         self.timeout_s = verifier_timeout_s
         self.output_ids: list[int] = []
-        self.num_cached_prompt_tokens = 0
 
     async def rounds(self) -> AsyncIterator[RoundOutput]:
         with prefill_span(self.trace_context, len(self.params.prompt_ids)) as span:
@@ -59,7 +58,6 @@ class Generation:
                 self.drafter.prefill(self.params.prompt_ids, self.params.num_draft_tokens) if self.drafter
                 else asyncio.sleep(0))
             span.set_attribute("specmesh.prefill.cached_tokens", start.num_cached_prompt_tokens)
-        self.num_cached_prompt_tokens = start.num_cached_prompt_tokens
         self.output_ids.append(start.first_token_id)
         yield RoundOutput(0, [start.first_token_id], 0, 0, common_pb2.DRAFT_SOURCE_NONE)
         round_index = 0

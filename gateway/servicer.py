@@ -46,7 +46,6 @@ class _Progress:
     num_drafted: int = 0
     num_accepted: int = 0
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
-    cached_prompt_tokens: int = 0
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -129,7 +128,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         text = TextStream(self.tokenizer, params.stop, params.prompt_ids)
         progress = _Progress()
         async for out in generation.rounds():
-            progress.cached_prompt_tokens = generation.num_cached_prompt_tokens
             tokens = self._accept_tokens(params, out, progress)
             delta, stopped = text.push(tokens)
             if stopped:

@@ -76,7 +76,6 @@ class VerifierEngine(BatchedEngine):
         self.sessions: dict[str, Session] = {}
         self.draining = False          # set on shutdown: running sessions finish, new ones are refused
         self._seq_ids = itertools.count()
-        self._arrivals = itertools.count()
 
     # ---- called from the event loop ---------------------------------------------------------------------------
     def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -145,7 +144,7 @@ class VerifierEngine(BatchedEngine):
                  done: Completion, deadline: float | None) -> None:
         session.busy = True
         request = ForwardRequest(session.seq, draft_ids, len(draft_ids) + 1, (session, dists, done),
-                                 next(self._arrivals), deadline)
+                                 deadline=deadline)
         self.scheduler.waiting.append(request)
 
     def _close(self, session_id: str, exc: EngineError) -> None:

@@ -27,7 +27,6 @@ class SeqState:
     num_computed: int = 0         # tokens of token_ids whose KV is in the cache
     allocated: bool = False
     num_cached_tokens: int = 0    # tokens served from the prefix cache at the last allocation
-    num_preemptions: int = 0
 
 
 @dataclass
@@ -36,7 +35,6 @@ class ForwardRequest:
     extra_ids: list[int]          # tokens after token_ids to run in the same forward (not part of the context)
     num_logits: int               # >= 1: logits wanted for the last num_logits tokens
     payload: Any = None           # engine-specific (the caller's completion, sampling state, ...)
-    arrival: int = 0
     deadline: float | None = None # time.monotonic() after which the caller no longer waits
 
 
@@ -119,7 +117,6 @@ class Scheduler:
         self.block_manager.free(seq.seq_id)
         seq.allocated = False
         seq.num_computed = 0
-        seq.num_preemptions += 1
         self.num_preemptions += 1
 
     def commit(self, seq: SeqState) -> None:
