@@ -169,6 +169,7 @@ class RequestResult:
     mean_tokens_per_round: float = 0.0
     undrafted_rounds: int = 0    # rounds without a draft (draft service fell back, or no room left)
     sources: dict[str, dict[str, int]] = field(default_factory=dict)  # per draft source: rounds/drafted/accepted
+    round_log: list[tuple[int, int, str]] = field(default_factory=list)  # per round: drafted, accepted, source
     finish_reason: str = ""
     error: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -232,6 +233,7 @@ def _count_round(result: RequestResult, stats: generate_pb2.RoundStats) -> None:
     if stats.draft_source == common_pb2.DRAFT_SOURCE_NONE:
         result.undrafted_rounds += 1
     name = common_pb2.DraftSource.Name(stats.draft_source).removeprefix("DRAFT_SOURCE_").lower()
+    result.round_log.append((stats.num_drafted, stats.num_accepted, name))
     counts = result.sources.setdefault(name, {"rounds": 0, "drafted": 0, "accepted": 0})
     counts["rounds"] += 1
     counts["drafted"] += stats.num_drafted

@@ -5,6 +5,9 @@ Propose call carries the newly verified tokens; the session keeps the KV of its 
 the verified context (accepted drafts keep their KV), drops the rest, and drafts from there, one batched forward per
 draft position.
 
+A Propose for a session whose previous Propose is still drafting supersedes it (that caller gets ABORTED): the
+gateway sends a prefetch for the next block while the verifier works and moves on when its guess fails.
+
 Draft-ahead: after answering with k tokens the session keeps drafting `lookahead` more in the background, assuming
 all k are accepted and the target's extra token equals the draft's own next guess. If the next verified context is
 a prefix of the tail, the already-drafted tokens are served without waiting for the model; otherwise they are
@@ -33,8 +36,9 @@ from specmesh.sampling import SamplingParams, logits_to_probs, make_generator, s
 @dataclass
 class DraftSession:
     session_id: str
-    seq: SeqState                  # token_ids = verified context + drafted tail
+    seq: SeqState                  # token_ids = caller's context + drafted tail; seq.num_verified = really verified
     base_seed: int                 # the draft's randomness at position i comes from (base_seed, i) alone
+    context_len: int = 0           # the caller's context (verified + assumed tokens); the tail starts here
     busy: bool = False             # a caller waits for this session's drafts
     tail_dists: list[SparseDist | None] = field(default_factory=list)   # q of each tail token (None: greedy)
     ahead: ForwardRequest | None = None                                  # background drafting in the queue
@@ -67,6 +71,7 @@ class _Propose:
     max_q_entries: int
     done: Completion
     num_ahead_tokens: int = 0
+    num_assumed_tokens: int = 0    # the context's last tokens are a guess (prefetch): never hashed as verified
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,7 @@ class DraftEngine(BatchedEngine):
         super().__init__("draft-engine", runner, block_manager, max_num_batched_tokens, max_num_seqs, num_threads)
         self.draft_ahead = draft_ahead
         self.num_ahead_hits = 0        # proposals answered (partly) from drafted-ahead tokens
+        self.num_resets = 0            # sessions started over because a call rewrote verified tokens
         self.max_model_len = max_model_len
         self.max_queue_len = max_queue_len
         self.max_num_sessions = max_num_seqs * 4
@@ -107,11 +113,13 @@ class DraftEngine(BatchedEngine):
 
     # ---- called from the event loop ---------------------------------------------------------------------------
     def propose(self, session_id: str, context_len: int, new_token_ids: list[int], num_draft_tokens: int,
-                params: SamplingParams, max_q_entries: int, num_ahead_tokens: int = 0) -> Completion:
-        """num_ahead_tokens: tokens to draft in the background after answering (0 = k + 1 if draft-ahead is on)."""
+                params: SamplingParams, max_q_entries: int, num_ahead_tokens: int = 0,
+                num_assumed_tokens: int = 0) -> Completion:
+        """num_ahead_tokens: tokens to draft in the background after answering (0 = k + 1 if draft-ahead is on).
+        num_assumed_tokens: the context's last tokens are not verified yet (a prefetch assumes them accepted)."""
         done = Completion()
         self.post(_Propose(session_id, context_len, new_token_ids, num_draft_tokens, params, max_q_entries, done,
-                           num_ahead_tokens))
+                           num_ahead_tokens, num_assumed_tokens))
         return done
 
     def end_session(self, session_id: str) -> None:
@@ -149,14 +157,14 @@ class DraftEngine(BatchedEngine):
             raise EngineError("RESOURCE_EXHAUSTED", f"draft queue is full ({self.max_queue_len} waiting)")
         session = self._session_for(msg)
         if session.busy:
-            raise EngineError("FAILED_PRECONDITION", f"session {msg.session_id} already has a proposal in flight")
+            self._supersede(session)
         self._stop_ahead(session)
         base = msg.context_len - len(msg.new_token_ids)
-        if base < 0 or base > session.seq.num_verified:
+        if base < 0 or base > session.context_len:
             raise EngineError("NOT_FOUND", f"draft session {msg.session_id} is out of sync: send the whole context")
-        verified = session.seq.token_ids[:base] + list(msg.new_token_ids)
-        self._sync(session, verified)
-        room = self.max_model_len - len(verified)
+        context = session.seq.token_ids[:base] + list(msg.new_token_ids)
+        self._sync(session, context, len(context) - min(msg.num_assumed_tokens, len(context)))
+        room = self.max_model_len - len(context)
         num_draft = min(msg.num_draft_tokens, room)
         lookahead = 0
         if self.draft_ahead:
@@ -168,19 +176,37 @@ class DraftEngine(BatchedEngine):
             session.busy = not proposal.answered
             self._enqueue(proposal)
 
-    def _sync(self, session: DraftSession, verified: list[int]) -> None:
-        """Make `verified` the session's context; keep the tail (and KV) that still continues it."""
+    def _supersede(self, session: DraftSession) -> None:
+        """A newer Propose replaces one still waiting for its drafts (the gateway dropped a prefetch whose guess
+        failed): the older caller gets ABORTED and its queued drafting stops; tokens it drafted stay in the tail
+        and are kept if the new context continues them."""
+        for request in self.scheduler.waiting:
+            if request.seq is session.seq and not request.payload.answered:
+                request.payload.done.set_exception(EngineError("ABORTED", "superseded by a newer Propose"))
+        self.scheduler.waiting = [r for r in self.scheduler.waiting if r.seq is not session.seq]
+        session.busy = False
+        session.ahead = None
+
+    def _sync(self, session: DraftSession, context: list[int], num_verified: int) -> None:
+        """Make `context` the session's context (its first `num_verified` tokens verified, the rest assumed); keep
+        the tail (and KV) that still continues it."""
         seq = session.seq
-        match = common_prefix_len(seq.token_ids, verified)
-        if match == len(verified):                   # verified context is a prefix of what we drafted
-            session.tail_dists = session.tail_dists[match - seq.num_verified:]
+        match = common_prefix_len(seq.token_ids, context)
+        if match < seq.num_verified:                 # rewrites verified tokens (a confused caller): start over
+            self.num_resets += 1
+            self.scheduler.release(seq)
+            seq.token_ids, seq.num_computed, seq.num_verified = [], 0, 0
+            session.context_len, session.tail_dists, match = 0, [], 0
+        if match == len(context) >= session.context_len:   # the context continues into what we drafted
+            session.tail_dists = session.tail_dists[match - session.context_len:]
             if session.tail_dists:
                 self.num_ahead_hits += 1
-        else:                                        # stale tail: roll back to the verified context
+        else:                                        # stale tail: roll back to the context
             seq.num_computed = min(seq.num_computed, match)
-            seq.token_ids = verified
+            seq.token_ids = context
             session.tail_dists = []
-        seq.num_verified = len(verified)
+        session.context_len = len(context)
+        seq.num_verified = max(num_verified, seq.num_verified)   # verified tokens stay verified
         if seq.allocated:
             self.scheduler.commit(seq)
 
@@ -189,7 +215,7 @@ class DraftEngine(BatchedEngine):
         if proposal.answered or len(session.tail_dists) < proposal.num_draft_tokens:
             return
         k = proposal.num_draft_tokens
-        tail = session.seq.token_ids[session.seq.num_verified:][:k]
+        tail = session.seq.token_ids[session.context_len:][:k]
         dists = [d for d in session.tail_dists[:k] if d is not None]
         proposal.done.set_result(Drafts(list(tail), dists))
         proposal.answered = True

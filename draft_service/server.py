@@ -16,7 +16,7 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 
 def build_draft(config: DraftConfig) -> tuple[ServiceServer, DraftEngine]:
     credentials = server_credentials(config.tls)          # before the model load: a bad cert path fails fast
-    parts = build_engine_parts(config.engine)
+    parts = build_engine_parts(config.engine, head_vocab=config.head_vocab)
     engine = DraftEngine(parts.runner, parts.block_manager, parts.max_model_len,
                          config.engine.max_num_batched_tokens, config.engine.max_num_seqs,
                          config.engine.max_queue_len, config.engine.num_threads, config.draft_ahead)

@@ -26,6 +26,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                               f"num_draft_tokens must be <= {self.max_draft_tokens}, got {request.num_draft_tokens}")
         if request.context_len < len(request.new_token_ids) or request.context_len == 0:
             raise EngineError("INVALID_ARGUMENT", "context_len must be >= len(new_token_ids) and > 0")
+        if request.num_assumed_tokens > request.context_len:
+            raise EngineError("INVALID_ARGUMENT", "num_assumed_tokens must be <= context_len")
         bad = [t for t in request.new_token_ids if t >= self.vocab_size]
         if bad:
             raise EngineError("INVALID_ARGUMENT", f"new_token_ids: token id {bad[0]} >= vocab size {self.vocab_size}")
@@ -38,7 +40,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             max_q = min(request.max_q_entries or self.max_q_entries, self.max_q_entries)
             proposal: Drafts = await self.engine.propose(
                 request.session_id, request.context_len, list(request.new_token_ids), request.num_draft_tokens,
-                params, max_q, min(request.num_ahead_tokens, 2 * self.max_draft_tokens + 1)).future
+                params, max_q, min(request.num_ahead_tokens, 2 * self.max_draft_tokens + 1),
+                request.num_assumed_tokens).future
         except EngineError as exc:
             await context.abort(status_code(exc.code), str(exc))
         return draft_pb2.ProposeResponse(draft_token_ids=proposal.draft_ids,

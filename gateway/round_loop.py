@@ -39,7 +39,7 @@ class Generation:
     def __init__(self, params: GenerationParams, session_id: str,
                  verifiers: Sequence[verifier_pb2_grpc.VerifierStub],
                  drafter: Drafter | None, verifier_timeout_s: float, trace_context: Context | None = None,
-                 draft_length: DraftLengthController | None = None) -> None:
+                 draft_length: DraftLengthController | None = None, prefetch: bool = False) -> None:
         self.params = params
         self.trace_context = trace_context          # the request span: parent of the prefill / round spans
         self.session_id = session_id
@@ -47,6 +47,7 @@ class Generation:
         self.verifier = self.verifiers[0]
         self.drafter = drafter
         self.draft_length = draft_length            # adaptive draft length (None: the request's fixed k)
+        self.prefetch = prefetch                    # fetch the next draft block while the verifier works
         self.timeout_s = verifier_timeout_s
         self.output_ids: list[int] = []
 
@@ -72,9 +73,13 @@ class Generation:
                 started = time.perf_counter()
                 draft = await self.drafter.propose(context, num_draft) if self.drafter else NO_DRAFT
                 drafted = time.perf_counter()
-                result = await self.verifier.Verify(verifier_pb2.VerifyRequest(
+                verify = self.verifier.Verify(verifier_pb2.VerifyRequest(
                     session_id=self.session_id, draft_token_ids=draft.token_ids,
                     draft_dists=sparse_dists_to_proto(draft.dists or [])), timeout=self.timeout_s)
+                if self.prefetch and self.drafter is not None:
+                    # The next block crosses the draft link while the verifier works (used if all is accepted).
+                    self.drafter.prefetch(context, draft, min(wanted, max(remaining - len(draft.token_ids) - 2, 0)))
+                result = await verify
                 if self.draft_length is not None:
                     self.draft_length.observe(len(draft.token_ids), result.num_accepted, drafted - started,
                                               time.perf_counter() - drafted)

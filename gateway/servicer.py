@@ -121,7 +121,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         draft_length = None
         if self.config.adaptive_draft_length and params.num_draft_tokens > 0:
             draft_length = DraftLengthController(max_k=params.num_draft_tokens, initial_k=params.num_draft_tokens)
-        return Generation(params, session_id, order, drafter, verifier_timeout, trace_context, draft_length)
+        return Generation(params, session_id, order, drafter, verifier_timeout, trace_context, draft_length,
+                          prefetch=self.config.draft_prefetch)
 
     async def _stream(self, params: GenerationParams,
                       generation: Generation) -> AsyncIterator[generate_pb2.GenerateResponse]:

@@ -23,6 +23,8 @@ class DraftingStats:
     tiers: dict[str, TierCounters] = field(default_factory=lambda: {n: TierCounters() for n in TIER_NAMES.values()})
     draft_bytes_sent: int = 0        # serialized ProposeRequest bytes to the draft service
     draft_bytes_received: int = 0    # serialized ProposeResponse bytes from it
+    prefetch_sent: int = 0           # next-block Proposes sent while the verifier worked
+    prefetch_hits: int = 0           # ... whose guess came true: a round drafted without waiting on the draft link
 
     def tier(self, source: int) -> TierCounters | None:
         name = TIER_NAMES.get(source)
@@ -33,4 +35,5 @@ class DraftingStats:
         out = {f"{name}_{f.name}": getattr(c, f.name) for name, c in self.tiers.items() for f in fields(c)}
         out["draft_bytes_sent"] = self.draft_bytes_sent
         out["draft_bytes_received"] = self.draft_bytes_received
+        out["prefetch_sent"], out["prefetch_hits"] = self.prefetch_sent, self.prefetch_hits
         return out

@@ -94,14 +94,19 @@ class TieredDrafter:
         self.model = model
         self.output_ids: list[int] = []
         self._recorded = 0                           # output positions already written to the cache
+        self._bytes_counted = (0, 0)                 # the model drafter's bytes sent / received already counted
         self._caps = {CACHE: self.settings.local_max_tokens, NGRAM: self.settings.local_max_tokens}
 
     async def prefill(self, prompt_ids: list[int], num_tokens: int) -> None:
         if self.model is not None:
-            sent, received = self.model.bytes_sent, self.model.bytes_received
             await self.model.prefill(prompt_ids, num_tokens)
-            self.tiers.stats.draft_bytes_sent += self.model.bytes_sent - sent
-            self.tiers.stats.draft_bytes_received += self.model.bytes_received - received
+            self._count_bytes()
+
+    def prefetch(self, context_ids: list[int], draft: Draft, num_tokens: int) -> None:
+        """Only a model-drafted round continues the draft service's own block (see ModelDrafter.prefetch)."""
+        if self.model is not None and draft.source == common_pb2.DRAFT_SOURCE_MODEL:
+            self.model.prefetch(context_ids, draft, num_tokens)
+            self.tiers.stats.prefetch_sent += self.model.prefetching
 
     async def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
         """num_tokens is the draft service's length; local drafts are free, so they fill the room left."""
@@ -139,12 +144,21 @@ class TieredDrafter:
     async def _from_model(self, context_ids: list[int], num_tokens: int) -> Draft:
         if self.model is None or num_tokens <= 0:
             return NO_DRAFT
-        stats, sent, received = self.tiers.stats, self.model.bytes_sent, self.model.bytes_received
+        hits = self.model.num_prefetch_hits
         draft = await self.model.propose(context_ids, num_tokens)
-        stats.draft_bytes_sent += self.model.bytes_sent - sent
-        stats.draft_bytes_received += self.model.bytes_received - received
+        self.tiers.stats.prefetch_hits += self.model.num_prefetch_hits - hits
+        self._count_bytes()
         self._count(common_pb2.DRAFT_SOURCE_MODEL, draft.token_ids)
         return draft
+
+    def _count_bytes(self) -> None:
+        """Adds the draft link's traffic since the last count (prefetch answers arrive in the background)."""
+        if self.model is None:
+            return
+        stats = self.tiers.stats
+        stats.draft_bytes_sent += self.model.bytes_sent - self._bytes_counted[0]
+        stats.draft_bytes_received += self.model.bytes_received - self._bytes_counted[1]
+        self._bytes_counted = (self.model.bytes_sent, self.model.bytes_received)
 
     def observe(self, draft: Draft, num_accepted: int, output_ids: list[int]) -> None:
         counters = self.tiers.stats.tier(draft.source)
@@ -173,3 +187,4 @@ class TieredDrafter:
         self._record(len(self.output_ids))           # the last positions, with shorter continuations
         if self.model is not None:
             await self.model.close()
+            self._count_bytes()

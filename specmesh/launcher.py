@@ -30,6 +30,13 @@ class StackConfig:
     draft_port: int = 50062
     num_threads: int = 1           # torch threads per model service
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    draft_link_addr: str = ""      # where gateways dial the draft service ("" = draft_port; e.g. a WAN proxy)
+
+    @property
+    def draft_addr(self) -> str:
+        if not self.draft:
+            return ""
+        return self.draft_link_addr or f"{self.host}:{self.draft_port}"
 
     @property
     def gateway_addr(self) -> str:
@@ -98,14 +105,22 @@ class Stack:
             wait_serving(f"{c.host}:{c.verifier_port}", timeout_s, verifier)
             if draft is not None:
                 wait_serving(f"{c.host}:{c.draft_port}", timeout_s, draft)
-            gateway = self._spawn("gateway", "gateway", {
-                "SPECMESH_GATEWAY_HOST": c.host, "SPECMESH_GATEWAY_PORT": str(c.gateway_port),
-                "SPECMESH_GATEWAY_VERIFIER_ADDR": f"{c.host}:{c.verifier_port}",
-                "SPECMESH_GATEWAY_DRAFT_ADDR": f"{c.host}:{c.draft_port}" if c.draft else ""}, c.gateway_addr)
-            wait_serving(c.gateway_addr, timeout_s, gateway)
+            self.add_gateway("gateway", c.gateway_port, {}, timeout_s)
         except BaseException:
             self.stop()
             raise
+
+    def add_gateway(self, name: str, port: int, env: Mapping[str, str], timeout_s: float = 900.0) -> str:
+        """Starts one more gateway on `port` against the same verifier and draft service, with `env` on top of
+        the stack's environment (e.g. other drafting tiers); waits until SERVING and returns its address."""
+        c = self.config
+        addr = f"{c.host}:{port}"
+        proc = self._spawn(name, "gateway", {
+            **env, "SPECMESH_GATEWAY_HOST": c.host, "SPECMESH_GATEWAY_PORT": str(port),
+            "SPECMESH_GATEWAY_VERIFIER_ADDR": f"{c.host}:{c.verifier_port}",
+            "SPECMESH_GATEWAY_DRAFT_ADDR": c.draft_addr}, addr)
+        wait_serving(addr, timeout_s, proc)
+        return addr
 
     def stop(self, timeout_s: float = 20.0) -> None:
         for proc in reversed(list(self.procs.values())):

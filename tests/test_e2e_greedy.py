@@ -39,10 +39,12 @@ async def stack():
     no_ahead = await start_draft("tiny-draft", draft_ahead=False)
     gw_no_ahead = await start_gateway(verifier.addr, no_ahead.addr)
     gw_adaptive = await start_gateway(verifier.addr, unrelated.addr, adaptive_draft_length=True)
+    gw_no_prefetch = await start_gateway(verifier.addr, same.addr, draft_prefetch=False)
     yield {"verifier": verifier, "same": gw_same, "unrelated": gw_unrelated, "dead": gw_dead_draft,
-           "no_ahead": gw_no_ahead, "adaptive": gw_adaptive, "tokenizer": tokenizer, "same_draft": same}
-    for running in (gw_same, gw_unrelated, gw_dead_draft, gw_no_ahead, gw_adaptive, same, unrelated, no_ahead,
-                    verifier):
+           "no_ahead": gw_no_ahead, "adaptive": gw_adaptive, "no_prefetch": gw_no_prefetch, "tokenizer": tokenizer,
+           "same_draft": same}
+    for running in (gw_same, gw_unrelated, gw_dead_draft, gw_no_ahead, gw_adaptive, gw_no_prefetch, same, unrelated,
+                    no_ahead, verifier):
         await running.stop()
 
 
@@ -65,7 +67,7 @@ async def wait_blocks_free(verifier, timeout_s: float = 10.0) -> None:
     raise AssertionError(f"{engine.block_manager.num_used_blocks} KV blocks still used, sessions {engine.sessions}")
 
 
-@pytest.mark.parametrize("draft", ["same", "unrelated", "no_ahead"])
+@pytest.mark.parametrize("draft", ["same", "unrelated", "no_ahead", "no_prefetch"])
 @pytest.mark.parametrize("k", range(1, 9))
 async def test_greedy_equals_target_only(stack, draft: str, k: int) -> None:
     tok = stack["tokenizer"]
@@ -82,9 +84,13 @@ async def test_greedy_equals_target_only(stack, draft: str, k: int) -> None:
         num_drafted += usage.num_drafted_tokens
         num_accepted += usage.num_accepted_tokens
     assert num_drafted > 0
+    prefetch = stack[draft].server.stats["drafting"]()
     if draft == "same":
         assert stack["same_draft"].engine.num_ahead_hits > 0   # drafted-ahead blocks were served
-    if draft in ("same", "no_ahead"):
+        assert prefetch["prefetch_hits"] > 0                   # ... and some rounds never waited on the draft link
+    if draft == "no_prefetch":
+        assert prefetch["prefetch_sent"] == 0
+    if draft in ("same", "no_ahead", "no_prefetch"):
         assert num_accepted == num_drafted          # identical draft: everything accepted
     else:
         assert num_accepted / num_drafted < 0.3     # unrelated draft: nearly nothing accepted

@@ -13,6 +13,7 @@ from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.int8_linear import quantize_linears
 from specmesh.engine.model_runner import ModelRunner, kv_cache_geometry
 from specmesh.engine.paged_attention import PagedKVCache
+from specmesh.engine.vocab_head import restrict_lm_head
 from specmesh.models import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,8 @@ class EngineParts:
     max_model_len: int
 
 
-def build_engine_parts(config: EngineConfig) -> EngineParts:
+def build_engine_parts(config: EngineConfig, head_vocab: int = 0) -> EngineParts:
+    """head_vocab > 0 (draft models only): restrict the LM head to that many token ids (see vocab_head)."""
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
     torch.set_num_threads(config.num_threads)
@@ -47,6 +49,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         max_model_len = min(max_model_len, config.max_model_len)
     log.info("%s: %d KV blocks x %d tokens (%d MiB), max_model_len %d", config.model, num_blocks,
              config.block_size, num_blocks * per_block // 2**20, max_model_len)
+    if head_vocab > 0:
+        tok = loaded.tokenizer
+        always = [*tok.all_special_ids, *tok.get_added_vocab().values(), *loaded.eos_token_ids]
+        log.info("%s: LM head restricted to %d token ids", config.model,
+                 restrict_lm_head(loaded.model, head_vocab, always))
     batch_invariant = config.dtype == "int8"
     if batch_invariant:
         log.info("%s: %d linear layers quantized to int8 (per-token activations)", config.model,
