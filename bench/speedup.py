@@ -1,11 +1,13 @@
 """Does speculation pay? Every arm in one run, on the same models and numerics:
 
-  stack (one verifier + one draft service, the draft link through a WAN-emulating proxy, bench/wan_proxy.py):
+  stack (one verifier + one draft service, the draft link through a WAN-emulating proxy, bench/wan_proxy.py;
+  the model arms use a fixed draft length k and draft prefetch):
     target    target-only decoding through the stack (num_draft_tokens=0)
     model     speculative, draft model only (n-gram and cache tiers off)
     tiers     speculative, all tiers: draft cache (one tenant per prompt, so repeated FAQ asks hit it), n-gram, model
     adaptive  speculative, draft model only, adaptive draft length (at most --adaptive-max-k)
-    rtt       the `model` arm again with --rtts milliseconds of round trip on the draft link
+    no-prefetch  the model arm without draft prefetch (the next block is asked for after each verify)
+    ARM@rttN  the --rtt-arms again with N ms of round trip on the draft link (--rtts)
   in-process transformers (after the stack is stopped, --hf-threads threads, same dtype as the verifier):
     hf-target, hf-assisted (assistant_model=draft), hf-lookup (prompt_lookup_num_tokens), hf-draft (the draft alone)
 
@@ -53,9 +55,18 @@ from bench.speedup_stats import analytic_speedup, hf_summary, summarize_arm
 from bench.wan_proxy import WanProxy
 from specmesh.launcher import PRESETS, Stack, StackConfig
 
-STACK_ARMS = ("target", "model", "tiers", "adaptive")
 HF_MODES = ("target", "draft", "assisted", "lookup")
-TIERS_OFF = {"SPECMESH_GATEWAY_ENABLE_NGRAM": "0", "SPECMESH_GATEWAY_ENABLE_CACHE": "0"}
+# Every gateway starts from BASE_ENV (draft model only, fixed k, prefetch on); an arm with its own settings gets its
+# own gateway on the same verifier and draft service.
+BASE_ENV = {"SPECMESH_GATEWAY_ENABLE_NGRAM": "0", "SPECMESH_GATEWAY_ENABLE_CACHE": "0",
+            "SPECMESH_GATEWAY_ADAPTIVE_DRAFT_LENGTH": "0", "SPECMESH_GATEWAY_DRAFT_PREFETCH": "1"}
+ARM_ENV: dict[str, dict[str, str]] = {
+    "target": {}, "model": {},
+    "tiers": {"SPECMESH_GATEWAY_ENABLE_NGRAM": "1", "SPECMESH_GATEWAY_ENABLE_CACHE": "1"},
+    "adaptive": {"SPECMESH_GATEWAY_ADAPTIVE_DRAFT_LENGTH": "1"},
+    "no-prefetch": {"SPECMESH_GATEWAY_DRAFT_PREFETCH": "0"},
+}
+STACK_ARMS = tuple(ARM_ENV)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -63,12 +74,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add_workload_args(p)
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--threads", type=int, default=1, help="torch threads per model service")
+    p.add_argument("--verifier-threads", type=int, default=0, help="torch threads of the verifier (0 = --threads)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="service environment")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--num-draft-tokens", type=int, default=4, help="k of the model and tiers arms")
     p.add_argument("--adaptive-max-k", type=int, default=6, help="the adaptive arm's request k (its upper bound)")
     p.add_argument("--arms", default=",".join(STACK_ARMS), help="stack arms to run (target is always run)")
-    p.add_argument("--rtts", default="0,20,40,80", help="draft-link round trips (ms) for the model arm")
+    p.add_argument("--rtts", default="0,20,40,80", help="draft-link round trips (ms) of the RTT sweep")
+    p.add_argument("--rtt-arms", default="model,no-prefetch", help="arms run again at each RTT")
     p.add_argument("--rtt-limit", type=int, default=1, help="prompts per category in the RTT sweep (0 = all)")
     p.add_argument("--bandwidth-mbps", type=float, default=0.0, help="draft-link bandwidth (0 = unlimited)")
     p.add_argument("--hf-modes", default=",".join(HF_MODES), help="in-process transformers modes ('' = none)")
@@ -93,7 +106,7 @@ async def run_arm(arm: str, addr: str, prompt: Prompt, args: argparse.Namespace)
     return out
 
 
-Results = dict[str, list[RequestResult]]   # per arm ("rtt40" etc. for the sweep)
+Results = dict[str, list[RequestResult]]   # per arm ("model@rtt40" etc. for the sweep)
 
 
 async def stack_phase(args: argparse.Namespace, prompts: list[Prompt]) -> tuple[Results, list[str]]:
@@ -102,25 +115,21 @@ async def stack_phase(args: argparse.Namespace, prompts: list[Prompt]) -> tuple[
     unknown = set(arms) - set(STACK_ARMS)
     if unknown:
         raise SystemExit(f"unknown arm(s) {sorted(unknown)}; choose from {STACK_ARMS}")
-    base = free_port_block(6)   # gateway, verifier, draft, proxy, tiers gateway, adaptive gateway
+    base = free_port_block(4 + len(arms))   # gateway, verifier, draft, proxy, one gateway per arm with settings
     target, draft = PRESETS[args.preset]
     proxy = WanProxy(base + 3, f"127.0.0.1:{base + 2}", bandwidth_bps=args.bandwidth_mbps * 1e6 / 8)
     await proxy.start()
     stack = Stack(StackConfig(target=target, draft=draft, gateway_port=base, verifier_port=base + 1,
-                              draft_port=base + 2, num_threads=args.threads, draft_link_addr=proxy.address,
-                              extra_env={**parse_env(args.env), **TIERS_OFF}))
+                              draft_port=base + 2, num_threads=args.threads, verifier_threads=args.verifier_threads,
+                              draft_link_addr=proxy.address, extra_env={**parse_env(args.env), **BASE_ENV}))
     log(f"starting {args.preset} stack ({target} + {draft}), draft link via {proxy.address}")
     try:
         started = time.perf_counter()
         await asyncio.to_thread(stack.start)
-        addrs = {"target": stack.config.gateway_addr, "model": stack.config.gateway_addr,
-                 "rtt": stack.config.gateway_addr}
-        if "tiers" in arms:
-            addrs["tiers"] = await asyncio.to_thread(stack.add_gateway, "gateway-tiers", base + 4, {
-                "SPECMESH_GATEWAY_ENABLE_NGRAM": "1", "SPECMESH_GATEWAY_ENABLE_CACHE": "1"})
-        if "adaptive" in arms:
-            addrs["adaptive"] = await asyncio.to_thread(stack.add_gateway, "gateway-adaptive", base + 5, {
-                "SPECMESH_GATEWAY_ADAPTIVE_DRAFT_LENGTH": "1"})
+        addrs = {}
+        for i, arm in enumerate(arms):
+            addrs[arm] = stack.config.gateway_addr if not ARM_ENV[arm] else await asyncio.to_thread(
+                stack.add_gateway, f"gateway-{arm}", base + 4 + i, ARM_ENV[arm])
         log(f"stack up in {time.perf_counter() - started:.0f} s")
         return await run_stack_arms(args, prompts, arms, addrs, proxy)
     finally:
@@ -146,14 +155,16 @@ async def run_stack_arms(args: argparse.Namespace, prompts: list[Prompt], arms: 
     rtts = [float(r) for r in split_csv(args.rtts) if float(r) > 0]
     sweep = [p for p in prompts if args.rtt_limit == 0
              or sum(q.category == p.category for q in prompts[:prompts.index(p) + 1]) <= args.rtt_limit]
+    rtt_arms = [a for a in split_csv(args.rtt_arms) if a in arms and a != "target"]
     for rtt in rtts:
         proxy.latency_ms = rtt / 2
-        for prompt in sweep:
-            rs = await run_arm("rtt", addrs["rtt"], prompt, args)
-            for r in rs:
-                r.mode = f"rtt{rtt:g}"
-            results.setdefault(f"rtt{rtt:g}", []).extend(rs)
-            log(f"{prompt.id:<22} rtt {rtt:g} ms: decode {rs[-1].decode_tok_s:.2f} tok/s")
+        for i, prompt in enumerate(sweep):
+            for arm in rtt_arms[i % len(rtt_arms):] + rtt_arms[:i % len(rtt_arms)]:
+                rs = await run_arm(arm, addrs[arm], prompt, args)
+                for r in rs:
+                    r.mode = f"{arm}@rtt{rtt:g}"
+                results.setdefault(f"{arm}@rtt{rtt:g}", []).extend(rs)
+                log(f"{prompt.id:<22} {arm} at rtt {rtt:g} ms: decode {rs[-1].decode_tok_s:.2f} tok/s")
     proxy.latency_ms = 0.0
     return results, [p.id for p in sweep]
 
@@ -244,8 +255,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = {r.id: r for r in results["target"]}
     max_k = max(args.num_draft_tokens, args.adaptive_max_k)
     summary = {arm: summarize_arm(rs, target, max_k) for arm, rs in results.items()}
-    model_sweep = [r for r in results.get("model", []) if r.id in sweep_ids]
-    summary["rtt0"] = summarize_arm(model_sweep, target, max_k)
+    for arm in split_csv(args.rtt_arms):
+        if arm in results and any(key.startswith(f"{arm}@rtt") for key in results):
+            at_zero = [r for r in results[arm] if r.id in sweep_ids]
+            summary[f"{arm}@rtt0"] = summarize_arm(at_zero, target, max_k)
     hf = hf_summary(hf_runs)
     report = {"meta": meta, "hf_dtype": dtype, "summary": summary, "hf": hf,
               "analytic": bound(summary, hf, args.num_draft_tokens), "problems": problems,

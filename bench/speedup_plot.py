@@ -7,17 +7,18 @@ from typing import Any
 
 from bench.common import log, pyplot
 
-SPEC_ARMS = ("model", "tiers", "adaptive")
+SPEC_ARMS = ("model", "tiers", "adaptive", "no-prefetch")
 HF_SPEC = ("assisted", "lookup")
 
 
-def rtt_points(summary: dict[str, Any]) -> list[tuple[float, float]]:
-    """(rtt ms, decode speedup median) of the sweep prompts, the 0 ms point from the model arm."""
-    points = []
-    for arm, rows in summary.items():
-        if arm.startswith("rtt") and rows.get("overall", {}).get("n"):
-            points.append((float(arm[3:]), rows["overall"]["speedup"]["decode_median"]))
-    return sorted(points)
+def rtt_points(summary: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
+    """Per swept arm: (rtt ms, decode speedup median) over the sweep prompts ("ARM@rttN" rows)."""
+    points: dict[str, list[tuple[float, float]]] = {}
+    for key, rows in summary.items():
+        arm, sep, rtt = key.partition("@rtt")
+        if sep and rows.get("overall", {}).get("n"):
+            points.setdefault(arm, []).append((float(rtt), rows["overall"]["speedup"]["decode_median"]))
+    return {arm: sorted(p) for arm, p in points.items()}
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -52,10 +53,9 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"analytic bound (1-a^(g+1))/((1-a)(g c+1)) with a={a['a']:.2f} g={a['g']} c={a['c']:.2f}: "
               f"{a['bound']:.2f}x; measured (model, decode median) {a['measured_decode_median']:.2f}x = "
               f"{a['fraction_of_bound']:.2f} of the bound")
-    points = rtt_points(summary)
-    if points:
+    for arm, points in rtt_points(summary).items():
         zero = dict(points).get(0.0, 0.0)
-        print("draft-link RTT sweep (model arm, decode speedup median): " + ", ".join(
+        print(f"draft-link RTT sweep, {arm} (decode speedup median): " + ", ".join(
             f"{rtt:g} ms {x:.2f}x" + (f" ({x / zero:.0%} of 0 ms)" if zero and rtt else "") for rtt, x in points))
 
 
@@ -84,15 +84,14 @@ def plot(report: dict[str, Any], path: Path, title: str) -> None:
     ax2.set(ylim=(0, 1.02), xlabel="draft position i", ylabel="P(accept i | 1..i-1 accepted)",
             title="acceptance per draft position")
     ax2.legend(fontsize=8)
-    points = rtt_points(summary)
-    if points:
-        ax3.plot([p[0] for p in points], [p[1] for p in points], marker="o", label="model arm")
+    for arm, points in rtt_points(summary).items():
+        line = ax3.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=arm)[0]
         zero = dict(points).get(0.0)
         if zero:
-            ax3.axhline(0.8 * zero, color="gray", linestyle="--", label="80% of 0 ms")
-        ax3.axhline(1.0, color="black", linewidth=0.8)
-        ax3.set(xlabel="draft-link RTT (ms)", ylabel="decode speedup (median)", title="speedup vs RTT")
-        ax3.legend(fontsize=8)
+            ax3.axhline(0.8 * zero, color=line.get_color(), linestyle="--", linewidth=0.8, label=f"80% of {arm} at 0")
+    ax3.axhline(1.0, color="black", linewidth=0.8)
+    ax3.set(xlabel="draft-link RTT (ms)", ylabel="decode speedup (median)", title="speedup vs RTT")
+    ax3.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

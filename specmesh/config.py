@@ -66,7 +66,7 @@ class DraftConfig:
     max_q_entries: int = 32            # sparse draft distribution size sent per drafted token
     max_draft_tokens: int = 16
     draft_ahead: bool = True           # keep drafting the next block while the verifier works
-    head_vocab: int = 0                # > 0: draft only from the first N token ids (+ special tokens); 0 = all
+    head_vocab: int = 32768            # draft only from the first N token ids (+ special tokens); 0 = all
     telemetry: TelemetryConfig = TelemetryConfig()
     tls: TlsConfig = TlsConfig()
 
@@ -82,7 +82,7 @@ class GatewayConfig:
     draft_addr: str = "127.0.0.1:50062"   # "" = no draft service (target-only)
     tokenizer: str = ""                    # model reference for the tokenizer; "" = the verifier's model
     num_draft_tokens: int = 4              # default draft length per round
-    adaptive_draft_length: bool = False    # pick k per round from acceptance and measured costs (<= the request's)
+    adaptive_draft_length: bool = True     # pick k per round from acceptance and measured costs (<= the request's)
     draft_prefetch: bool = True            # ask for the next block while the verifier works (hides the draft RTT)
     max_draft_tokens: int = 16             # largest per-request draft length accepted
     default_max_new_tokens: int = 256

@@ -29,6 +29,7 @@ class StackConfig:
     verifier_port: int = 50061
     draft_port: int = 50062
     num_threads: int = 1           # torch threads per model service
+    verifier_threads: int = 0      # torch threads of the verifier (0 = num_threads)
     extra_env: Mapping[str, str] = field(default_factory=dict)
     draft_link_addr: str = ""      # where gateways dial the draft service ("" = draft_port; e.g. a WAN proxy)
 
@@ -93,7 +94,8 @@ class Stack:
         threads = str(c.num_threads)
         verifier = self._spawn("verifier", "verifier_service", {
             "SPECMESH_VERIFIER_MODEL": c.target, "SPECMESH_VERIFIER_HOST": c.host,
-            "SPECMESH_VERIFIER_PORT": str(c.verifier_port), "SPECMESH_VERIFIER_NUM_THREADS": threads},
+            "SPECMESH_VERIFIER_PORT": str(c.verifier_port),
+            "SPECMESH_VERIFIER_NUM_THREADS": str(c.verifier_threads or c.num_threads)},
             f"{c.host}:{c.verifier_port}")
         draft = None
         if c.draft:

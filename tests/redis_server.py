@@ -8,6 +8,8 @@ import subprocess
 import tempfile
 import time
 
+CLUSTER_BUS_OFFSET = 10000      # a cluster node also listens on port + 10000 (its cluster bus)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -15,9 +17,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster-bus port (+10000) is a valid port and free too."""
+    for _ in range(100):
+        port = free_port()
+        if port + CLUSTER_BUS_OFFSET <= 65535 and _is_free(port + CLUSTER_BUS_OFFSET):
+            return port
+        if port - CLUSTER_BUS_OFFSET > 1024 and _is_free(port - CLUSTER_BUS_OFFSET):
+            return port - CLUSTER_BUS_OFFSET
+    raise RuntimeError("no free port pair for a redis cluster node")
+
+
 class RedisServer:
     def __init__(self, port: int | None = None, cluster: bool = False) -> None:
-        self.port = port or free_port()
+        self.port = port or (free_cluster_port() if cluster else free_port())
         self.cluster = cluster
         self.proc: subprocess.Popen[bytes] | None = None
         self.dir = ""

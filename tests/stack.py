@@ -44,7 +44,7 @@ async def start_verifier(model: str = "tiny-target", **engine: object) -> Runnin
     return Running(server, await server.start("127.0.0.1", 0), eng)
 
 
-async def start_draft(model: str = "tiny-draft", draft_ahead: bool = True, head_vocab: int = 0,
+async def start_draft(model: str = "tiny-draft", draft_ahead: bool = True, head_vocab: int = 32768,
                       **engine: object) -> Running:
     config = DraftConfig(port=0, draft_ahead=draft_ahead, head_vocab=head_vocab,
                          engine=dataclasses.replace(EngineConfig(model=model, kv_cache_memory_mb=16), **engine))
@@ -54,7 +54,8 @@ async def start_draft(model: str = "tiny-draft", draft_ahead: bool = True, head_
 
 async def start_gateway(verifier_addr: str, draft_addr: str, **overrides: object) -> Running:
     # Tests measure the draft service alone unless they opt into the cache / n-gram tiers (tests/test_tiers.py).
-    overrides = {"enable_cache": False, "enable_ngram": False, **overrides}
+    # Fixed draft lengths too, unless a test opts into the adaptive controller.
+    overrides = {"enable_cache": False, "enable_ngram": False, "adaptive_draft_length": False, **overrides}
     config = GatewayConfig(port=0, verifier_addr=verifier_addr, draft_addr=draft_addr, **overrides)
     server = await build_gateway(config, wait_for_verifier_s=30)
     return Running(server, await server.start("127.0.0.1", 0))
