@@ -10,6 +10,7 @@ import pytest
 from bench import kv_accounting as kv
 from bench.common import DEFAULT_WORKLOAD, RequestResult, first_mismatch, load_workload
 from bench.run_workload import check_pairs, summarize
+from bench.speedup_stats import analytic_speedup, pooled_acceptance, position_acceptance, speedups
 
 
 def test_workload_dedupes_repeated_prompts_by_default(tmp_path: Path) -> None:
@@ -87,3 +88,26 @@ def test_prefix_sharing_saves_the_shared_full_blocks_per_extra_session() -> None
     one, four = report["rows"]
     assert one["blocks_saved"] == 0
     assert four["blocks_saved"] == 3 * 2
+
+
+def test_position_acceptance_counts_only_tested_positions() -> None:
+    rounds = [(4, 4, "model"), (4, 1, "model"), (2, 0, "model"), (0, 0, "none")]
+    per_position = position_acceptance(rounds, 4)
+    assert [(p["reached"], p["accepted"]) for p in per_position] == [(3, 2), (2, 1), (1, 1), (1, 1)]
+    assert pooled_acceptance(per_position) == pytest.approx(5 / 7)
+
+
+def test_analytic_speedup_matches_the_closed_form() -> None:
+    assert analytic_speedup(0.0, 4, 0.0) == pytest.approx(1.0)          # nothing accepted, free draft
+    assert analytic_speedup(1.0, 4, 0.0) == pytest.approx(5.0)          # all accepted, free draft
+    a, g, c = 0.8, 4, 0.25
+    assert analytic_speedup(a, g, c) == pytest.approx((1 - a ** 5) / ((1 - a) * 2.0))
+
+
+def test_arm_speedups_pair_each_ask_with_its_prompts_target_run() -> None:
+    target = {"p": _result("target", [1, 2, 3, 4, 5], 2.0)}
+    asks = [_result("tiers", [1, 2, 3, 4, 5], 1.0, 4, 4), _result("tiers", [1, 2, 3, 4, 5], 0.5, 4, 4)]
+    asks[1].id = "p#1"
+    s = speedups(asks, target)
+    assert s["n"] == 2 and s["wall_median"] == pytest.approx((2.0 + 4.0) / 2)
+    assert s["aggregate"] == pytest.approx((10 / 1.5) / (10 / 4.0))

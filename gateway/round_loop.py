@@ -83,6 +83,7 @@ class Generation:
                 if self.draft_length is not None:
                     self.draft_length.observe(len(draft.token_ids), result.num_accepted, drafted - started,
                                               time.perf_counter() - drafted)
+                    self.draft_length.observe_load(result.num_waiting, result.num_batch_tokens)
                 record_round(span, draft, result.num_accepted)
             tokens = list(result.token_ids)
             self.output_ids.extend(tokens)

@@ -125,3 +125,26 @@ async def test_expired_work_is_dropped_from_the_batch() -> None:
         assert engine.num_steps == steps + 1 and "late" not in engine.sessions
     finally:
         await verifier.server.stop(0)
+
+
+async def test_verify_reports_the_batch_it_ran_in() -> None:
+    """Two sessions verified in one forward both see its total tokens (the load the adaptive draft length reads)."""
+    verifier = await start_verifier()
+    engine = verifier.engine
+    try:
+        engine.stop()                               # freeze the engine thread: run its steps by hand
+        params = SamplingParams()
+        starts = [engine.start_session(f"load{i}", [1, 2, 3, 4 + i], params) for i in range(2)]
+        for _ in range(2):
+            engine.handle(engine._inbox.get_nowait())
+        engine.step()
+        firsts = [(await s.future).token_ids[0] for s in starts]
+        verifies = [engine.verify(f"load{i}", [7] * (i + 2), None) for i in range(2)]
+        for _ in range(2):
+            engine.handle(engine._inbox.get_nowait())
+        engine.step()
+        results = [await v.future for v in verifies]
+        assert [r.num_batch_tokens for r in results] == [(1 + 2) + (1 + 3)] * 2   # last token + drafts, each
+        assert all(r.num_waiting == 0 for r in results) and len(firsts) == 2
+    finally:
+        await verifier.server.stop(0)

@@ -41,6 +41,8 @@ class VerifyResult:
     token_ids: list[int]         # accepted drafts + one target token
     num_accepted: int
     num_cached_prompt_tokens: int = 0
+    num_batch_tokens: int = 0    # tokens in the forward that verified this block, all sessions together
+    num_waiting: int = 0         # work items queued when it finished
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,8 @@ class VerifierEngine(BatchedEngine):
         seq.num_verified = len(seq.token_ids)
         self.scheduler.commit(seq)
         session.busy = False
-        done.set_result(VerifyResult(emitted, num_accepted, num_cached))
+        done.set_result(VerifyResult(emitted, num_accepted, num_cached, self.num_batch_tokens,
+                                     len(self.scheduler.waiting)))
 
     def _sample(self, session: Session, logits: torch.Tensor, draft_ids: Sequence[int],
                 dists: list[SparseDist] | None) -> list[int]:

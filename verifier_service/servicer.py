@@ -48,7 +48,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             result = await self.engine.verify(request.session_id, draft_ids, dists, deadline_of(context)).future
         except EngineError as exc:
             await context.abort(status_code(exc.code), str(exc))
-        return verifier_pb2.VerifyResponse(num_accepted=result.num_accepted, token_ids=result.token_ids)
+        return verifier_pb2.VerifyResponse(num_accepted=result.num_accepted, token_ids=result.token_ids,
+                                           num_batch_tokens=result.num_batch_tokens, num_waiting=result.num_waiting)
 
     async def EndSession(self, request: common_pb2.EndSessionRequest,
                          context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:

@@ -29,6 +29,7 @@ class BatchedEngine(EngineThread):
         self.block_manager = block_manager
         self.scheduler = Scheduler(block_manager, max_num_batched_tokens, max_num_seqs)
         self.num_steps = 0
+        self.num_batch_tokens = 0      # tokens in the forward being finished (every sequence in the batch)
         self.metrics = EngineMetrics()
         self.metrics.watch(lambda: len(self.scheduler.waiting), lambda: len(self.sessions),
                            lambda: block_manager.num_used_blocks, lambda: block_manager.num_free_blocks)
@@ -57,6 +58,7 @@ class BatchedEngine(EngineThread):
         if not batch:
             return
         items = [self._forward_item(item) for item in batch]
+        self.num_batch_tokens = sum(len(item.token_ids) for item in items)
         links = [self.span_context(i.request) for i in batch] if self.trace_steps else None
         with forward_span(self._name, self.metrics, batch, links):
             all_logits = self.runner.forward(items)
