@@ -24,18 +24,18 @@ def rtt_points(summary: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
 def print_report(report: dict[str, Any]) -> None:
     summary, hf = report["summary"], report["hf"]
     target = summary["target"]
-    head = (f"{'arm':<10}{'category':<11}{'n':>3}{'tok/s':>8}{'decode x':>10}{'wall x':>8}{'agg x':>7}"
+    head = (f"{'arm':<13}{'category':<11}{'n':>3}{'tok/s':>8}{'decode x':>10}{'wall x':>8}{'agg x':>7}"
             f"{'accept':>8}{'a/pos':>7}{'tok/rnd':>8}")
     print("\nstack arms: speedup over stack target-only (decode = tokens after the first; medians over prompts)\n"
           + head + "\n" + "-" * len(head))
     for cat, row in target.items():
-        print(f"{'target':<10}{cat:<11}{row.get('n', 0):>3}{row.get('aggregate_tok_s', 0):>8.2f}")
+        print(f"{'target':<13}{cat:<11}{row.get('n', 0):>3}{row.get('aggregate_tok_s', 0):>8.2f}")
     for arm in SPEC_ARMS:
         for cat, row in summary.get(arm, {}).items():
             if not row.get("n"):
                 continue
             s = row["speedup"]
-            print(f"{arm:<10}{cat:<11}{row['n']:>3}{row['aggregate_tok_s']:>8.2f}{s['decode_median']:>9.2f}x"
+            print(f"{arm:<13}{cat:<11}{row['n']:>3}{row['aggregate_tok_s']:>8.2f}{s['decode_median']:>9.2f}x"
                   f"{s['wall_median']:>7.2f}x{s['aggregate']:>6.2f}x{row['acceptance_rate']:>8.2f}"
                   f"{row['pooled_acceptance']:>7.2f}{row['mean_tokens_per_round']:>8.2f}")
     if hf:
@@ -84,14 +84,16 @@ def plot(report: dict[str, Any], path: Path, title: str) -> None:
     ax2.set(ylim=(0, 1.02), xlabel="draft position i", ylabel="P(accept i | 1..i-1 accepted)",
             title="acceptance per draft position")
     ax2.legend(fontsize=8)
-    for arm, points in rtt_points(summary).items():
+    sweeps = rtt_points(summary)
+    for arm, points in sweeps.items():
         line = ax3.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=arm)[0]
         zero = dict(points).get(0.0)
         if zero:
             ax3.axhline(0.8 * zero, color=line.get_color(), linestyle="--", linewidth=0.8, label=f"80% of {arm} at 0")
     ax3.axhline(1.0, color="black", linewidth=0.8)
     ax3.set(xlabel="draft-link RTT (ms)", ylabel="decode speedup (median)", title="speedup vs RTT")
-    ax3.legend(fontsize=8)
+    if sweeps:
+        ax3.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
