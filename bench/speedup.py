@@ -7,6 +7,7 @@
     tiers     speculative, all tiers: draft cache (one tenant per prompt, so repeated FAQ asks hit it), n-gram, model
     adaptive  speculative, draft model only, adaptive draft length (at most --adaptive-max-k)
     no-prefetch  the model arm without draft prefetch (the next block is asked for after each verify)
+    full-head the model arm with a second draft service drafting over the whole vocabulary (not in --arms by default)
     ARM@rttN  the --rtt-arms again with N ms of round trip on the draft link (--rtts)
   in-process transformers (after the stack is stopped, --hf-threads threads, same dtype as the verifier):
     hf-target, hf-assisted (assistant_model=draft), hf-lookup (prompt_lookup_num_tokens), hf-draft (the draft alone)
@@ -65,8 +66,12 @@ ARM_ENV: dict[str, dict[str, str]] = {
     "tiers": {"SPECMESH_GATEWAY_ENABLE_NGRAM": "1", "SPECMESH_GATEWAY_ENABLE_CACHE": "1"},
     "adaptive": {"SPECMESH_GATEWAY_ADAPTIVE_DRAFT_LENGTH": "1"},
     "no-prefetch": {"SPECMESH_GATEWAY_DRAFT_PREFETCH": "0"},
+    "full-head": {},
 }
+# Arms with a draft service of their own (same model, other settings), reached through a proxy of their own.
+ARM_DRAFT_ENV: dict[str, dict[str, str]] = {"full-head": {"SPECMESH_DRAFT_HEAD_VOCAB": "0"}}
 STACK_ARMS = tuple(ARM_ENV)
+DEFAULT_ARMS = ("target", "model", "tiers", "adaptive", "no-prefetch")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -79,7 +84,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--num-draft-tokens", type=int, default=4, help="k of the model and tiers arms")
     p.add_argument("--adaptive-max-k", type=int, default=6, help="the adaptive arm's request k (its upper bound)")
-    p.add_argument("--arms", default=",".join(STACK_ARMS), help="stack arms to run (target is always run)")
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                   help=f"stack arms to run (target is always run), from {','.join(STACK_ARMS)}")
     p.add_argument("--rtts", default="0,20,40,80", help="draft-link round trips (ms) of the RTT sweep")
     p.add_argument("--rtt-arms", default="model,no-prefetch", help="arms run again at each RTT")
     p.add_argument("--rtt-limit", type=int, default=1, help="prompts per category in the RTT sweep (0 = all)")
@@ -115,26 +121,35 @@ async def stack_phase(args: argparse.Namespace, prompts: list[Prompt]) -> tuple[
     unknown = set(arms) - set(STACK_ARMS)
     if unknown:
         raise SystemExit(f"unknown arm(s) {sorted(unknown)}; choose from {STACK_ARMS}")
-    base = free_port_block(4 + len(arms))   # gateway, verifier, draft, proxy, one gateway per arm with settings
+    # gateway, verifier, draft, proxy; per arm: a gateway, and a draft service + its proxy where the arm has one
+    base = free_port_block(4 + 3 * len(arms))
     target, draft = PRESETS[args.preset]
     proxy = WanProxy(base + 3, f"127.0.0.1:{base + 2}", bandwidth_bps=args.bandwidth_mbps * 1e6 / 8)
     await proxy.start()
     stack = Stack(StackConfig(target=target, draft=draft, gateway_port=base, verifier_port=base + 1,
                               draft_port=base + 2, num_threads=args.threads, verifier_threads=args.verifier_threads,
                               draft_link_addr=proxy.address, extra_env={**parse_env(args.env), **BASE_ENV}))
+    proxies: list[WanProxy] = []
     log(f"starting {args.preset} stack ({target} + {draft}), draft link via {proxy.address}")
     try:
         started = time.perf_counter()
         await asyncio.to_thread(stack.start)
         addrs = {}
         for i, arm in enumerate(arms):
-            addrs[arm] = stack.config.gateway_addr if not ARM_ENV[arm] else await asyncio.to_thread(
-                stack.add_gateway, f"gateway-{arm}", base + 4 + i, ARM_ENV[arm])
+            port = base + 4 + 3 * i
+            draft_link = None
+            if arm in ARM_DRAFT_ENV:
+                own = await asyncio.to_thread(stack.add_draft, f"draft-{arm}", port + 1, ARM_DRAFT_ENV[arm])
+                proxies.append(await WanProxy(port + 2, own).start())
+                draft_link = proxies[-1].address
+            addrs[arm] = stack.config.gateway_addr if not (ARM_ENV[arm] or draft_link) else await asyncio.to_thread(
+                stack.add_gateway, f"gateway-{arm}", port, ARM_ENV[arm], draft_addr=draft_link)
         log(f"stack up in {time.perf_counter() - started:.0f} s")
         return await run_stack_arms(args, prompts, arms, addrs, proxy)
     finally:
         await asyncio.to_thread(stack.stop)
-        await proxy.stop()
+        for p in (proxy, *proxies):
+            await p.stop()
 
 
 async def run_stack_arms(args: argparse.Namespace, prompts: list[Prompt], arms: list[str], addrs: dict[str, str],

@@ -7,7 +7,7 @@ from typing import Any
 
 from bench.common import log, pyplot
 
-SPEC_ARMS = ("model", "tiers", "adaptive", "no-prefetch")
+SPEC_ARMS = ("model", "tiers", "adaptive", "no-prefetch", "full-head")
 HF_SPEC = ("assisted", "lookup")
 
 

@@ -112,15 +112,28 @@ class Stack:
             self.stop()
             raise
 
-    def add_gateway(self, name: str, port: int, env: Mapping[str, str], timeout_s: float = 900.0) -> str:
-        """Starts one more gateway on `port` against the same verifier and draft service, with `env` on top of
-        the stack's environment (e.g. other drafting tiers); waits until SERVING and returns its address."""
+    def add_gateway(self, name: str, port: int, env: Mapping[str, str], timeout_s: float = 900.0,
+                    draft_addr: str | None = None) -> str:
+        """Starts one more gateway on `port` against the same verifier and (unless `draft_addr`) the same draft
+        service, with `env` on top of the stack's environment (e.g. other drafting tiers); waits until SERVING and
+        returns its address."""
         c = self.config
         addr = f"{c.host}:{port}"
         proc = self._spawn(name, "gateway", {
             **env, "SPECMESH_GATEWAY_HOST": c.host, "SPECMESH_GATEWAY_PORT": str(port),
             "SPECMESH_GATEWAY_VERIFIER_ADDR": f"{c.host}:{c.verifier_port}",
-            "SPECMESH_GATEWAY_DRAFT_ADDR": c.draft_addr}, addr)
+            "SPECMESH_GATEWAY_DRAFT_ADDR": c.draft_addr if draft_addr is None else draft_addr}, addr)
+        wait_serving(addr, timeout_s, proc)
+        return addr
+
+    def add_draft(self, name: str, port: int, env: Mapping[str, str], timeout_s: float = 900.0) -> str:
+        """Starts one more draft service (the stack's draft model) on `port` with `env` on top of the stack's
+        environment (e.g. another draft LM head); waits until SERVING and returns its address."""
+        c = self.config
+        addr = f"{c.host}:{port}"
+        proc = self._spawn(name, "draft_service", {
+            **env, "SPECMESH_DRAFT_MODEL": c.draft, "SPECMESH_DRAFT_HOST": c.host, "SPECMESH_DRAFT_PORT": str(port),
+            "SPECMESH_DRAFT_NUM_THREADS": str(c.num_threads)}, addr)
         wait_serving(addr, timeout_s, proc)
         return addr
 
