@@ -7,7 +7,7 @@
     tiers     speculative, all tiers: draft cache (one tenant per prompt, so repeated FAQ asks hit it), n-gram, model
     adaptive  speculative, draft model only, adaptive draft length (at most --adaptive-max-k)
     no-prefetch  the model arm without draft prefetch (the next block is asked for after each verify)
-    full-head the model arm with a second draft service drafting over the whole vocabulary (not in --arms by default)
+    head-32k  the model arm with a second draft service drafting from a 32768-token LM head (only with --arms)
     ARM@rttN  the --rtt-arms again with N ms of round trip on the draft link (--rtts)
   in-process transformers (after the stack is stopped, --hf-threads threads, same dtype as the verifier):
     hf-target, hf-assisted (assistant_model=draft), hf-lookup (prompt_lookup_num_tokens), hf-draft (the draft alone)
@@ -66,10 +66,10 @@ ARM_ENV: dict[str, dict[str, str]] = {
     "tiers": {"SPECMESH_GATEWAY_ENABLE_NGRAM": "1", "SPECMESH_GATEWAY_ENABLE_CACHE": "1"},
     "adaptive": {"SPECMESH_GATEWAY_ADAPTIVE_DRAFT_LENGTH": "1"},
     "no-prefetch": {"SPECMESH_GATEWAY_DRAFT_PREFETCH": "0"},
-    "full-head": {},
+    "head-32k": {},
 }
 # Arms with a draft service of their own (same model, other settings), reached through a proxy of their own.
-ARM_DRAFT_ENV: dict[str, dict[str, str]] = {"full-head": {"SPECMESH_DRAFT_HEAD_VOCAB": "0"}}
+ARM_DRAFT_ENV: dict[str, dict[str, str]] = {"head-32k": {"SPECMESH_DRAFT_HEAD_VOCAB": "32768"}}
 STACK_ARMS = tuple(ARM_ENV)
 DEFAULT_ARMS = ("target", "model", "tiers", "adaptive", "no-prefetch")
 

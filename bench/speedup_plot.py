@@ -7,7 +7,7 @@ from typing import Any
 
 from bench.common import log, pyplot
 
-SPEC_ARMS = ("model", "tiers", "adaptive", "no-prefetch", "full-head")
+SPEC_ARMS = ("model", "tiers", "adaptive", "no-prefetch", "head-32k")
 HF_SPEC = ("assisted", "lookup")
 
 

@@ -66,7 +66,7 @@ class DraftConfig:
     max_q_entries: int = 32            # sparse draft distribution size sent per drafted token
     max_draft_tokens: int = 16
     draft_ahead: bool = True           # keep drafting the next block while the verifier works
-    head_vocab: int = 32768            # draft only from the first N token ids (+ special tokens); 0 = all
+    head_vocab: int = 0                # > 0: draft only from the first N token ids (+ special tokens); 0 = all
     telemetry: TelemetryConfig = TelemetryConfig()
     tls: TlsConfig = TlsConfig()
 

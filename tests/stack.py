@@ -44,7 +44,7 @@ async def start_verifier(model: str = "tiny-target", **engine: object) -> Runnin
     return Running(server, await server.start("127.0.0.1", 0), eng)
 
 
-async def start_draft(model: str = "tiny-draft", draft_ahead: bool = True, head_vocab: int = 32768,
+async def start_draft(model: str = "tiny-draft", draft_ahead: bool = True, head_vocab: int = 0,
                       **engine: object) -> Running:
     config = DraftConfig(port=0, draft_ahead=draft_ahead, head_vocab=head_vocab,
                          engine=dataclasses.replace(EngineConfig(model=model, kv_cache_memory_mb=16), **engine))
