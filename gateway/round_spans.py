@@ -37,6 +37,13 @@ def record_round(span: trace.Span, draft: Draft, num_accepted: int) -> None:
 
 
 @contextmanager
+def cache_lookup_span() -> Iterator[trace.Span]:
+    """The draft cache hop (Redis or in-process), a child of the current round span."""
+    with _tracer.start_as_current_span("cache_lookup") as span:
+        yield span
+
+
+@contextmanager
 def end_session_span(parent: Context | None) -> Iterator[trace.Span]:
     with _tracer.start_as_current_span("end_session", context=parent) as span:
         yield span

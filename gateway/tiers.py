@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from gateway.drafters import NO_DRAFT, Draft, ModelDrafter
 from gateway.ngram import propose_ngram
+from gateway.round_spans import cache_lookup_span
 from gateway.tier_stats import DraftingStats
 from gateway.validation import GenerationParams
 from kvstore import CacheSettings, open_cache
@@ -114,8 +115,10 @@ class TieredDrafter:
         if room <= 0:
             return NO_DRAFT
         if self.tiers.cache is not None:
-            ids = await self.tiers.cache.lookup(self.scope, context_ids, min(room, self._caps[CACHE]))
-            if draft := self._count(CACHE, self._valid(ids)):
+            with cache_lookup_span() as span:
+                ids = self._valid(await self.tiers.cache.lookup(self.scope, context_ids, min(room, self._caps[CACHE])))
+                span.set_attribute("specmesh.cache.draft_tokens", len(ids))
+            if draft := self._count(CACHE, ids):
                 return draft
         if self.settings.enable_ngram:
             ids = propose_ngram(context_ids, self.settings.ngram_sizes, min(room, self._caps[NGRAM]))

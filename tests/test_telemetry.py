@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 
 from draft_service.server import build_draft
-from protos.specmesh.v1 import generate_pb2_grpc
+from protos.specmesh.v1 import common_pb2, generate_pb2_grpc
 from specmesh import cli, client
 from specmesh.config import DraftConfig, EngineConfig, TelemetryConfig, VerifierConfig
 from specmesh.telemetry.span_file import JsonLinesSpanExporter, span_to_dict
@@ -56,8 +56,10 @@ async def stack(tmp_path_factory):
     # Drafts from the draft service only (no cache / n-gram tier), so every drafted round crosses that hop.
     gateway = await start_gateway(verifier.addr, draft.addr, telemetry=metrics_config(), enable_cache=False,
                                   enable_ngram=False)
-    yield {"verifier": verifier, "draft": draft, "gateway": gateway, "memory": memory, "trace_file": trace_file}
-    for running in (gateway, draft, verifier):
+    cached = await start_gateway(verifier.addr, draft.addr, enable_cache=True, enable_ngram=False)
+    yield {"verifier": verifier, "draft": draft, "gateway": gateway, "cached": cached, "memory": memory,
+           "trace_file": trace_file}
+    for running in (cached, gateway, draft, verifier):
         await running.stop()
     memory.shutdown()
     span_file.shutdown()
@@ -247,3 +249,23 @@ async def test_trace_cli_prints_the_request_waterfall(stack, capsys) -> None:
     assert cli.main(["trace", "show", "--file", str(stack["trace_file"]), "--trace-id", trace_id]) == 0
     assert capsys.readouterr().out == out
     assert cli.main(["trace", "show", "--file", str(stack["trace_file"]), "--trace-id", "0" * 32]) == 1
+
+
+async def test_cache_lookups_are_spans_of_their_round(stack) -> None:
+    """The draft cache is a hop too: a cache_lookup span under the round that asked, with how much it drafted."""
+    memory = stack["memory"]
+    metadata = (("x-specmesh-tenant", "telemetry-cache"),)
+    request = client.make_request(PROMPT, max_new_tokens=16, ignore_eos=True, num_draft_tokens=3)
+    for _ in range(2):                              # the second ask finds the first one's continuation cached
+        memory.clear()
+        async with grpc.aio.insecure_channel(stack["cached"].addr) as channel:
+            responses = [r async for r in generate_pb2_grpc.GenerationStub(channel).Generate(request,
+                                                                                              metadata=metadata)]
+        spans = await spans_after_cleanup(memory)
+    ids = by_id(spans)
+    lookups = [s for s in spans if s["name"] == "cache_lookup"]
+    assert lookups and all(ids[s["parent_span_id"]]["name"] == "round" for s in lookups)
+    assert {s["trace_id"] for s in lookups} == {responses[0].request_id}
+    cache_rounds = [r.round for r in responses if r.round.draft_source == common_pb2.DRAFT_SOURCE_CACHE]
+    assert cache_rounds and sum(s["attributes"]["specmesh.cache.draft_tokens"] > 0 for s in lookups) == \
+        len(cache_rounds)
