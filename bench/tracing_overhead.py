@@ -33,9 +33,11 @@ def prompts(limit: int) -> list[str]:
     return FALLBACK_PROMPTS[:limit]
 
 
-def stack_config(preset: str, base_port: int, trace_file: str) -> StackConfig:
+def stack_config(preset: str, base_port: int, trace_file: str, sample_ratio: float = 1.0) -> StackConfig:
     target, draft = PRESETS[preset]
     env = {f"SPECMESH_{svc}_TRACE_FILE": trace_file for svc in ("GATEWAY", "VERIFIER", "DRAFT")} if trace_file else {}
+    if trace_file and sample_ratio < 1.0:   # the OTel SDK's own sampler settings; services follow the gateway's choice
+        env |= {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": str(sample_ratio)}
     return StackConfig(target=target, draft=draft, gateway_port=base_port, verifier_port=base_port + 1,
                        draft_port=base_port + 2, extra_env=env)
 
@@ -132,12 +134,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--sequential", action="store_true", help="one stack at a time (large models)")
+    parser.add_argument("--sample-ratio", type=float, default=1.0,
+                        help="trace this fraction of requests in the 'on' stack (OTEL_TRACES_SAMPLER)")
     args = parser.parse_args()
     base = random.randrange(56000, 64000, 10)
     with tempfile.TemporaryDirectory() as tmp:
         trace_file = Path(tmp) / "spans.jsonl"
         configs = {"off": stack_config(args.preset, base, ""),
-                   "on": stack_config(args.preset, base + 5, str(trace_file))}
+                   "on": stack_config(args.preset, base + 5, str(trace_file), args.sample_ratio)}
         run = sequential if args.sequential else interleaved
         results, cpu = run(configs, prompts(args.prompts), args)
         report(results, cpu, trace_file)
