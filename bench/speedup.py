@@ -52,7 +52,7 @@ from bench.common import (
     write_json,
 )
 from bench.speedup_plot import plot, print_report
-from bench.speedup_stats import analytic_speedup, hf_summary, summarize_arm
+from bench.speedup_stats import analytic_speedup, hf_summary, prompt_id, summarize_arm
 from bench.wan_proxy import WanProxy
 from specmesh.launcher import PRESETS, Stack, StackConfig
 
@@ -230,7 +230,7 @@ def check(results: Results) -> list[dict[str, Any]]:
     problems = []
     for arm, rs in results.items():
         for r in rs:
-            t = target.get(r.id.split("#")[0])
+            t = target.get(prompt_id(r))
             if r.error:
                 problems.append({"arm": arm, "id": r.id, "error": r.error})
             elif t is not None and arm != "target" and (at := first_mismatch(t.token_ids, r.token_ids)) >= 0:

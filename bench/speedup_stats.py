@@ -46,11 +46,16 @@ def analytic_speedup(a: float, g: int, c: float) -> float:
     return tokens_per_round / (g * c + 1)
 
 
+def prompt_id(result: RequestResult) -> str:
+    """The workload prompt a request asked (a repeated ask's id carries a `#k` suffix)."""
+    return result.id.split("#")[0]
+
+
 def speedups(spec: Sequence[RequestResult], target: dict[str, RequestResult]) -> dict[str, float]:
     """Speedup of `spec` over the target-only run of the same prompt id: median over requests of the wall-clock
     and decode (after the first token) tok/s ratios, and the aggregate ratio (all tokens / all time)."""
-    pairs = [(s, target[s.id.split("#")[0]]) for s in spec
-             if not s.error and s.id.split("#")[0] in target and not target[s.id.split("#")[0]].error]
+    paired = [(s, target.get(prompt_id(s))) for s in spec if not s.error]
+    pairs = [(s, t) for s, t in paired if t is not None and not t.error]
     wall = [s.tok_s / t.tok_s for s, t in pairs if t.tok_s > 0]
     decode = [s.decode_tok_s / t.decode_tok_s for s, t in pairs if t.decode_tok_s > 0 and s.decode_tok_s > 0]
     s_tok, s_time = sum(s.completion_tokens for s, _ in pairs), sum(s.wall_s for s, _ in pairs)

@@ -31,6 +31,7 @@ from specmesh.engine.model_runner import ModelRunner
 from specmesh.engine.scheduler import ForwardRequest, SeqState
 from specmesh.rejection import SparseDist
 from specmesh.sampling import SamplingParams, logits_to_probs, make_generator, sample_sparse, sparsify
+from specmesh.token_ids import common_prefix_len
 
 
 @dataclass
@@ -85,14 +86,6 @@ def position_seed(base_seed: int, position: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return (z ^ (z >> 31)) >> 1
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class DraftEngine(BatchedEngine):

@@ -19,6 +19,7 @@ from protos.specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specmesh.proto_convert import sampling_to_proto
 from specmesh.rejection import SparseDist
 from specmesh.sampling import SamplingParams
+from specmesh.token_ids import common_prefix_len
 
 log = logging.getLogger(__name__)
 
@@ -114,13 +115,12 @@ class ModelDrafter:
         try:
             response = await self._call(context_ids, num_tokens)
         except grpc.aio.AioRpcError as exc:
+            # _call has dropped the sync state, so the next call resends the whole context.
             if exc.code() == grpc.StatusCode.ABORTED:       # overtaken by a stale prefetch: skip one round
-                self._desync()
                 return NO_DRAFT
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 return self._failed(exc)
-            self._desync()                        # the draft service lost the session: resend the whole context
-            try:
+            try:                                  # the draft service lost the session: resend the whole context
                 response = await self._call(context_ids, num_tokens)
             except grpc.aio.AioRpcError as exc2:
                 return self._failed(exc2)
@@ -202,14 +202,6 @@ class ModelDrafter:
 def _to_draft(token_ids: Sequence[int], dists: Sequence[common_pb2.SparseDist]) -> Draft:
     return Draft(list(token_ids), [SparseDist(tuple(d.token_ids), tuple(d.probs)) for d in dists] or None,
                  common_pb2.DRAFT_SOURCE_MODEL)
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def _swallow(task: asyncio.Task[draft_pb2.ProposeResponse]) -> None:

@@ -91,7 +91,6 @@ class Stack:
 
     def start(self, timeout_s: float = 900.0) -> None:
         c = self.config
-        threads = str(c.num_threads)
         verifier = self._spawn("verifier", "verifier_service", {
             "SPECMESH_VERIFIER_MODEL": c.target, "SPECMESH_VERIFIER_HOST": c.host,
             "SPECMESH_VERIFIER_PORT": str(c.verifier_port),
@@ -99,10 +98,7 @@ class Stack:
             f"{c.host}:{c.verifier_port}")
         draft = None
         if c.draft:
-            draft = self._spawn("draft", "draft_service", {
-                "SPECMESH_DRAFT_MODEL": c.draft, "SPECMESH_DRAFT_HOST": c.host,
-                "SPECMESH_DRAFT_PORT": str(c.draft_port), "SPECMESH_DRAFT_NUM_THREADS": threads},
-                f"{c.host}:{c.draft_port}")
+            draft = self._spawn("draft", "draft_service", self._draft_env(c.draft_port), f"{c.host}:{c.draft_port}")
         try:
             wait_serving(f"{c.host}:{c.verifier_port}", timeout_s, verifier)
             if draft is not None:
@@ -129,13 +125,14 @@ class Stack:
     def add_draft(self, name: str, port: int, env: Mapping[str, str], timeout_s: float = 900.0) -> str:
         """Starts one more draft service (the stack's draft model) on `port` with `env` on top of the stack's
         environment (e.g. another draft LM head); waits until SERVING and returns its address."""
-        c = self.config
-        addr = f"{c.host}:{port}"
-        proc = self._spawn(name, "draft_service", {
-            **env, "SPECMESH_DRAFT_MODEL": c.draft, "SPECMESH_DRAFT_HOST": c.host, "SPECMESH_DRAFT_PORT": str(port),
-            "SPECMESH_DRAFT_NUM_THREADS": str(c.num_threads)}, addr)
-        wait_serving(addr, timeout_s, proc)
+        addr = f"{self.config.host}:{port}"
+        wait_serving(addr, timeout_s, self._spawn(name, "draft_service", {**env, **self._draft_env(port)}, addr))
         return addr
+
+    def _draft_env(self, port: int) -> dict[str, str]:
+        c = self.config
+        return {"SPECMESH_DRAFT_MODEL": c.draft, "SPECMESH_DRAFT_HOST": c.host, "SPECMESH_DRAFT_PORT": str(port),
+                "SPECMESH_DRAFT_NUM_THREADS": str(c.num_threads)}
 
     def stop(self, timeout_s: float = 20.0) -> None:
         for proc in reversed(list(self.procs.values())):

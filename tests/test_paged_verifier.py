@@ -65,6 +65,12 @@ async def test_chunked_prefill_and_prefix_sharing(tokenizer) -> None:
             await running.stop()
 
 
+def handle_posted(engine, count: int) -> None:
+    """With the engine thread stopped: handle the next `count` posted messages here, in order."""
+    for _ in range(count):
+        engine.handle(engine._inbox.get_nowait())
+
+
 async def test_admission_control() -> None:
     """A full queue answers RESOURCE_EXHAUSTED at once; a prompt larger than the whole pool fails the same way."""
     verifier = await start_verifier(num_kv_blocks=4, block_size=4, max_queue_len=2)
@@ -73,15 +79,14 @@ async def test_admission_control() -> None:
         engine.stop()                               # freeze the engine thread: queue items stay queued
         params = SamplingParams()
         done = [engine.start_session(f"s{i}", [1, 2, 3], params) for i in range(3)]
-        for _ in range(3):
-            engine.handle(engine._inbox.get_nowait())
+        handle_posted(engine, 3)
         with pytest.raises(EngineError) as info:
             await done[2].future
         assert info.value.code == "RESOURCE_EXHAUSTED"
         engine.scheduler.waiting.clear()
         engine.sessions.clear()
         big = engine.start_session("big", list(range(5, 40)), params)
-        engine.handle(engine._inbox.get_nowait())
+        handle_posted(engine, 1)
         engine.step()
         with pytest.raises(EngineError) as info:
             await big.future
@@ -114,8 +119,7 @@ async def test_expired_work_is_dropped_from_the_batch() -> None:
         params = SamplingParams()
         expired = engine.start_session("late", [1, 2, 3], params, deadline=time.monotonic() - 1)
         alive = engine.start_session("on-time", [1, 2, 3], params, deadline=time.monotonic() + 60)
-        for _ in range(2):
-            engine.handle(engine._inbox.get_nowait())
+        handle_posted(engine, 2)
         steps = engine.num_steps
         engine.step()
         with pytest.raises(EngineError) as info:
@@ -135,13 +139,11 @@ async def test_verify_reports_the_batch_it_ran_in() -> None:
         engine.stop()                               # freeze the engine thread: run its steps by hand
         params = SamplingParams()
         starts = [engine.start_session(f"load{i}", [1, 2, 3, 4 + i], params) for i in range(2)]
-        for _ in range(2):
-            engine.handle(engine._inbox.get_nowait())
+        handle_posted(engine, 2)
         engine.step()
         firsts = [(await s.future).token_ids[0] for s in starts]
         verifies = [engine.verify(f"load{i}", [7] * (i + 2), None) for i in range(2)]
-        for _ in range(2):
-            engine.handle(engine._inbox.get_nowait())
+        handle_posted(engine, 2)
         engine.step()
         results = [await v.future for v in verifies]
         assert [r.num_batch_tokens for r in results] == [(1 + 2) + (1 + 3)] * 2   # last token + drafts, each
