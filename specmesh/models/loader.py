@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from specmesh.models.catalog import CACHE_DIR_ENV, default_cache_dir
 from specmesh.models.real_pair import (
     FETCH_COMMAND,
     REAL_MODELS,
@@ -28,7 +29,6 @@ from specmesh.models.real_pair import (
 )
 from specmesh.models.tiny import TINY_PRESETS, build_tiny_models, tiny_models_dir
 
-CACHE_DIR_ENV = "SPECMESH_CACHE_DIR"
 REAL_PRESETS: tuple[str, ...] = tuple(REAL_MODELS)
 PRESETS: tuple[str, ...] = TINY_PRESETS + REAL_PRESETS
 CHATML_END_TOKENS: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>")
@@ -41,12 +41,6 @@ class LoadedModel:
     name: str  # the reference it came from
     eos_token_ids: tuple[int, ...]
     max_model_len: int
-
-
-def default_cache_dir() -> Path:
-    """``$SPECMESH_CACHE_DIR`` if set, else ``~/.cache/specmesh``."""
-    env = os.environ.get(CACHE_DIR_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "specmesh"
 
 
 def _looks_like_path(ref: str) -> bool:

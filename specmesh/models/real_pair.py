@@ -110,7 +110,7 @@ def _log(message: str) -> None:
 def _resolve_cache_dir(cache_dir: Path | None) -> Path:
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
-    from specmesh.models.loader import default_cache_dir  # local import: loader imports us
+    from specmesh.models.catalog import default_cache_dir  # local import: catalog imports us
 
     return default_cache_dir()
 

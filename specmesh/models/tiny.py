@@ -24,15 +24,18 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-TINY_TARGET = "tiny-target"
-TINY_DRAFT = "tiny-draft"
-TINY_DRAFT_UNRELATED = "tiny-draft-unrelated"
-TINY_PRESETS: tuple[str, ...] = (TINY_TARGET, TINY_DRAFT, TINY_DRAFT_UNRELATED)
+from specmesh.models.catalog import (  # noqa: F401 (re-exported names)
+    TINY_DRAFT,
+    TINY_DRAFT_UNRELATED,
+    TINY_MARKER_NAME,
+    TINY_PRESETS,
+    TINY_RECIPE_VERSION,
+    TINY_TARGET,
+    tiny_is_built,
+    tiny_models_dir,
+)
 
-TINY_RECIPE_VERSION = 1
-"""Bump when the recipe changes; the cache dir name includes it, so stale builds are never reused."""
-
-MARKER_NAME = ".specmesh-tiny"
+MARKER_NAME = TINY_MARKER_NAME
 VOCAB_SIZE = 512
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -96,10 +99,6 @@ EMBED_STD = 1.0
 LINEAR_STD = 0.2
 BIAS_STD = 0.05
 LM_HEAD_STD = 0.5
-
-
-def tiny_models_dir(cache_dir: Path) -> Path:
-    return Path(cache_dir) / "models" / f"tiny-v{TINY_RECIPE_VERSION}"
 
 
 def _corpus_lines(repeats: int = 4) -> list[str]:
@@ -191,8 +190,7 @@ def tiny_generation_config(tokenizer: PreTrainedTokenizerFast) -> GenerationConf
 
 
 def _is_complete(model_dir: Path) -> bool:
-    marker = model_dir / MARKER_NAME
-    return marker.is_file() and marker.read_text().strip() == str(TINY_RECIPE_VERSION)
+    return tiny_is_built(model_dir)
 
 
 def _save_atomically(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, dest: Path) -> None:
