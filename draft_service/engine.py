@@ -17,6 +17,7 @@ discarded (stale). Tail tokens carry the q they were sampled from, so sampled dr
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from specmesh.engine.scheduler import ForwardRequest, SeqState
 from specmesh.rejection import SparseDist
 from specmesh.sampling import SamplingParams, logits_to_probs, make_generator, sample_sparse, sparsify
 from specmesh.token_ids import common_prefix_len
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -123,14 +126,16 @@ class DraftEngine(BatchedEngine):
         if isinstance(message, _End):
             session = self.sessions.pop(message.session_id, None)
             if session is not None:
-                for req in self.scheduler.waiting:
-                    if req.seq is session.seq and not req.payload.answered:
+                for req in self.scheduler.release(session.seq):
+                    if not req.payload.answered:
                         req.payload.done.set_exception(EngineError("CANCELLED", "session ended"))
-                self.scheduler.release(session.seq)
             return
         try:
             self._handle_propose(message)
-        except EngineError as exc:
+        except Exception as exc:       # one message's fault answers that caller only
+            if not isinstance(exc, EngineError):
+                log.exception("draft: handling a Propose failed")
+                exc = EngineError("INTERNAL", f"draft: {exc!r}")
             message.done.set_exception(exc)
 
     def _session_for(self, msg: _Propose) -> DraftSession:
@@ -146,7 +151,7 @@ class DraftEngine(BatchedEngine):
         return session
 
     def _handle_propose(self, msg: _Propose) -> None:
-        if len(self.scheduler.waiting) >= self.max_queue_len:
+        if self.scheduler.num_waiting >= self.max_queue_len:
             raise EngineError("RESOURCE_EXHAUSTED", f"draft queue is full ({self.max_queue_len} waiting)")
         session = self._session_for(msg)
         if session.busy:
@@ -173,10 +178,9 @@ class DraftEngine(BatchedEngine):
         """A newer Propose replaces one still waiting for its drafts (the gateway dropped a prefetch whose guess
         failed): the older caller gets ABORTED and its queued drafting stops; tokens it drafted stay in the tail
         and are kept if the new context continues them."""
-        for request in self.scheduler.waiting:
-            if request.seq is session.seq and not request.payload.answered:
+        for request in self.scheduler.cancel(session.seq):
+            if not request.payload.answered:
                 request.payload.done.set_exception(EngineError("ABORTED", "superseded by a newer Propose"))
-        self.scheduler.waiting = [r for r in self.scheduler.waiting if r.seq is not session.seq]
         session.busy = False
         session.ahead = None
 
@@ -216,13 +220,13 @@ class DraftEngine(BatchedEngine):
 
     def _stop_ahead(self, session: DraftSession) -> None:
         if session.ahead is not None:
-            self.scheduler.waiting = [r for r in self.scheduler.waiting if r is not session.ahead]
+            self.scheduler.remove(session.ahead)
             session.ahead = None
 
     def _enqueue(self, proposal: Proposal) -> None:
         request = ForwardRequest(proposal.session.seq, [], 1, proposal)
+        self.scheduler.enqueue(request)
         proposal.session.ahead = request if proposal.answered else None
-        self.scheduler.waiting.append(request)
 
     def idle_seqs(self) -> Iterable[SeqState]:
         return (s.seq for s in self.sessions.values() if not s.busy)
@@ -264,4 +268,4 @@ class DraftEngine(BatchedEngine):
         if not proposal.answered:
             proposal.session.busy = False
             proposal.done.set_exception(exc)
-        self.scheduler.waiting = [r for r in self.scheduler.waiting if r is not request]
+        self.scheduler.remove(request)

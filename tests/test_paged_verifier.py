@@ -83,7 +83,7 @@ async def test_admission_control() -> None:
         with pytest.raises(EngineError) as info:
             await done[2].future
         assert info.value.code == "RESOURCE_EXHAUSTED"
-        engine.scheduler.waiting.clear()
+        engine.scheduler.clear()
         engine.sessions.clear()
         big = engine.start_session("big", list(range(5, 40)), params)
         handle_posted(engine, 1)

@@ -105,12 +105,15 @@ class VerifierEngine(BatchedEngine):
                 self._handle_verify(message)
             else:
                 self._close(message.session_id, EngineError("CANCELLED", "session ended"))
-        except EngineError as exc:
+        except Exception as exc:       # one message's fault answers that caller only
+            if not isinstance(exc, EngineError):
+                log.exception("verifier: handling %s failed", type(message).__name__)
+                exc = EngineError("INTERNAL", f"verifier: {exc!r}")
             if not isinstance(message, _End):
                 message.done.set_exception(exc)
 
     def _admit(self) -> None:
-        if len(self.scheduler.waiting) >= self.max_queue_len:
+        if self.scheduler.num_waiting >= self.max_queue_len:
             raise EngineError("RESOURCE_EXHAUSTED", f"verifier queue is full ({self.max_queue_len} waiting)")
 
     def _handle_start(self, msg: _Start) -> None:
@@ -126,8 +129,8 @@ class VerifierEngine(BatchedEngine):
                               f"{self.max_model_len}")
         seq = SeqState(next(self._seq_ids), list(msg.prompt_ids), num_verified=len(msg.prompt_ids))
         session = Session(msg.session_id, seq, msg.params, make_generator(msg.params.seed))
-        self.sessions[msg.session_id] = session
         self._enqueue(session, [], None, msg.done, msg.deadline)
+        self.sessions[msg.session_id] = session
 
     def _handle_verify(self, msg: _Verify) -> None:
         self._admit()
@@ -144,19 +147,17 @@ class VerifierEngine(BatchedEngine):
 
     def _enqueue(self, session: Session, draft_ids: list[int], dists: list[SparseDist] | None,
                  done: Completion, deadline: float | None) -> None:
-        session.busy = True
         request = ForwardRequest(session.seq, draft_ids, len(draft_ids) + 1, (session, dists, done),
                                  deadline=deadline)
-        self.scheduler.waiting.append(request)
+        self.scheduler.enqueue(request)    # INVALID_ARGUMENT when the drafts alone exceed the step's token budget
+        session.busy = True
 
     def _close(self, session_id: str, exc: EngineError) -> None:
         session = self.sessions.pop(session_id, None)
         if session is None:
             return
-        for req in self.scheduler.waiting:
-            if req.seq is session.seq:
-                req.payload[2].set_exception(exc)
-        self.scheduler.release(session.seq)
+        for req in self.scheduler.release(session.seq):
+            req.payload[2].set_exception(exc)
 
     def idle_seqs(self) -> Iterable[SeqState]:
         return (s.seq for s in self.sessions.values() if not s.busy)
@@ -176,7 +177,7 @@ class VerifierEngine(BatchedEngine):
         self.scheduler.commit(seq)
         session.busy = False
         done.set_result(VerifyResult(emitted, num_accepted, num_cached, self.num_batch_tokens,
-                                     len(self.scheduler.waiting)))
+                                     self.scheduler.num_waiting))
 
     def _sample(self, session: Session, logits: torch.Tensor, draft_ids: Sequence[int],
                 dists: list[SparseDist] | None) -> list[int]:
@@ -193,4 +194,5 @@ class VerifierEngine(BatchedEngine):
         session = req.payload[0]
         req.payload[2].set_exception(exc)
         session.busy = False
-        self._close(session.session_id, exc)
+        if self.sessions.get(session.session_id) is session:
+            self._close(session.session_id, exc)

@@ -16,15 +16,11 @@ from typing import Any
 
 from opentelemetry import trace
 
+from specmesh.engine.errors import EngineError
+
 log = logging.getLogger(__name__)
 
-
-class EngineError(Exception):
-    """An error to report to the caller with a gRPC status name (e.g. 'RESOURCE_EXHAUSTED', 'NOT_FOUND')."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+__all__ = ["Completion", "EngineError", "EngineThread"]
 
 
 class Completion:
@@ -83,18 +79,25 @@ class EngineThread:
         raise NotImplementedError
 
     def fail_all(self, exc: BaseException) -> None:
-        """Fail every pending item (after a crash of step())."""
+        """Fail every pending item (last resort after a crash that escaped step())."""
         raise NotImplementedError
 
     def _drain(self, block: bool) -> None:
         message = self._inbox.get() if block else self._inbox.get_nowait()
         while True:
             if message is not None:
-                self.handle(message)
+                self._handle_safely(message)
             try:
                 message = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _handle_safely(self, message: Any) -> None:
+        """Subclasses answer their own messages' errors; anything that still escapes is logged, never fatal."""
+        try:
+            self.handle(message)
+        except Exception:
+            log.exception("%s failed to handle %s", self._name, type(message).__name__)
 
     def _run(self) -> None:
         import torch
@@ -107,6 +110,6 @@ class EngineThread:
                 continue
             try:
                 self.step()
-            except Exception as exc:  # a bug must not hang every caller
+            except Exception as exc:  # last resort (step() isolates request faults itself): never hang callers
                 log.exception("%s step failed", self._name)
                 self.fail_all(EngineError("INTERNAL", f"engine step failed: {exc}"))

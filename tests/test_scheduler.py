@@ -1,0 +1,376 @@
+"""Tests for specmesh.engine.scheduler on plain ints (no torch, no model): chunking, the logits-token guarantee,
+queue ownership, fault isolation, preemption, deadlines; and a random-operations state machine."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from specmesh.engine.block_manager import BlockManager
+from specmesh.engine.errors import EngineError
+from specmesh.engine.scheduler import ForwardRequest, ScheduledItem, Scheduler, SeqState
+
+
+def make_scheduler(budget: int = 16, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size), budget, max_num_seqs)
+
+
+def verify_request(seq: SeqState, num_drafts: int, deadline: float | None = None) -> ForwardRequest:
+    """Like the verifier: run the pending token and the drafts, logits for all of them."""
+    return ForwardRequest(seq, [7] * num_drafts, num_drafts + 1, deadline=deadline)
+
+
+def new_seq(seq_id: int, num_tokens: int, first: int = 0) -> SeqState:
+    ids = [first + i for i in range(num_tokens)]
+    return SeqState(seq_id, ids, num_verified=num_tokens)
+
+
+def run_forward(scheduler: Scheduler, batch: list[ScheduledItem], num_accepted: int = 0) -> None:
+    """Simulate the forward: chunks advance num_computed; finals commit like the verifier (accept some drafts)."""
+    for item in batch:
+        seq = item.request.seq
+        if not item.is_final:
+            seq.num_computed += len(item.token_ids)
+            continue
+        drafts = item.request.extra_ids
+        accepted = min(num_accepted, len(drafts))
+        seq.num_computed = len(seq.token_ids) + accepted
+        seq.token_ids.extend(drafts[:accepted] + [1000 + len(seq.token_ids)])
+        seq.num_verified = len(seq.token_ids)
+        scheduler.commit(seq)
+
+
+def no_idle() -> list[SeqState]:
+    return []
+
+
+# --------------------------------------------------------------------------------- the logits-token guarantee
+def test_chunk_stops_before_the_logits_tokens() -> None:
+    """The bug of issue 12: 10 context tokens + 5 drafts over a budget of 12 used to split the drafts."""
+    scheduler = make_scheduler(budget=12)
+    seq = new_seq(0, 10)
+    scheduler.enqueue(verify_request(seq, 5))
+    batch, failed = scheduler.schedule(no_idle)
+    assert not failed and len(batch) == 1
+    assert not batch[0].is_final and batch[0].token_ids == list(range(9))     # the pending token stays back
+    run_forward(scheduler, batch)
+    batch, failed = scheduler.schedule(no_idle)
+    assert not failed and batch[0].is_final
+    assert batch[0].start_pos == 9 and batch[0].token_ids == [9] + [7] * 5      # pending token + all 5 drafts
+    run_forward(scheduler, batch, num_accepted=2)
+    assert len(scheduler) == 0 and seq.num_computed == 12 and len(seq.token_ids) == 13
+    scheduler.block_manager.check_invariants()
+
+
+@pytest.mark.parametrize("num_drafts", [510, 511])
+def test_drafts_up_to_the_budget_run_in_one_final_item(num_drafts: int) -> None:
+    scheduler = make_scheduler(budget=512, num_blocks=512)
+    seq = new_seq(0, 40)
+    scheduler.enqueue(verify_request(seq, num_drafts))
+    finals: list[ScheduledItem] = []
+    for _ in range(4):
+        batch, failed = scheduler.schedule(no_idle)
+        assert not failed
+        finals += [item for item in batch if item.is_final]
+        run_forward(scheduler, batch)
+    assert len(finals) == 1 and finals[0].token_ids[-num_drafts - 1:] == [39] + [7] * num_drafts
+    assert len(scheduler) == 0
+
+
+def test_logits_beyond_the_budget_are_refused_at_enqueue() -> None:
+    """512 drafts + the pending token can never run in a 512-token step: INVALID_ARGUMENT, nothing queued."""
+    scheduler = make_scheduler(budget=512, num_blocks=512)
+    with pytest.raises(EngineError) as info:
+        scheduler.enqueue(verify_request(new_seq(0, 4), 512))
+    assert info.value.code == "INVALID_ARGUMENT" and "max_num_batched_tokens=512" in str(info.value)
+    assert len(scheduler) == 0 and scheduler.block_manager.num_used_blocks == 0
+
+
+def test_a_request_whose_logits_do_not_fit_what_is_left_waits_and_others_fill_the_step() -> None:
+    scheduler = make_scheduler(budget=16)
+    a, b, c = new_seq(0, 10), new_seq(1, 1), new_seq(2, 1)
+    for req in (verify_request(a, 0), verify_request(b, 8), verify_request(c, 2)):
+        scheduler.enqueue(req)
+    batch, _ = scheduler.schedule(no_idle)
+    assert [(i.request.seq.seq_id, len(i.token_ids), i.is_final) for i in batch] == [(0, 10, True), (2, 3, True)]
+    run_forward(scheduler, batch)
+    batch, _ = scheduler.schedule(no_idle)                 # b gets its turn with room for all 9 logits tokens
+    assert [(i.request.seq.seq_id, len(i.token_ids), i.is_final) for i in batch] == [(1, 9, True)]
+
+
+def test_prefix_cache_hit_and_preemption_keep_logits_tokens_together() -> None:
+    """A recomputed sequence (its verified blocks back from the prefix cache) is still chunked before its drafts."""
+    scheduler = make_scheduler(budget=8, num_blocks=64, block_size=4)
+    seq = new_seq(0, 20)
+    scheduler.enqueue(verify_request(seq, 0))
+    for _ in range(4):
+        batch, _ = scheduler.schedule(no_idle)
+        run_forward(scheduler, batch)
+    assert len(scheduler) == 0 and len(seq.token_ids) == 21
+    scheduler.preempt(seq)
+    scheduler.enqueue(verify_request(seq, 6))
+    batch, _ = scheduler.schedule(no_idle)
+    assert seq.num_cached_tokens == 20 and batch[0].start_pos == 20
+    assert batch[0].is_final and batch[0].token_ids == [seq.token_ids[-1]] + [7] * 6
+    scheduler.block_manager.check_invariants()
+
+
+# --------------------------------------------------------------------------------- the queue belongs to the scheduler
+def test_queue_operations() -> None:
+    scheduler = make_scheduler()
+    seqs = [new_seq(i, 3) for i in range(3)]
+    requests = [verify_request(s, 1) for s in seqs]
+    for req in requests:
+        scheduler.enqueue(req)
+    assert len(scheduler) == scheduler.num_waiting == 3 and list(scheduler) == requests
+    assert isinstance(scheduler.waiting, tuple)            # a snapshot: the queue cannot be edited through it
+    with pytest.raises(ValueError):
+        scheduler.enqueue(verify_request(seqs[0], 0))      # one queued request per sequence
+    assert scheduler.remove(requests[1]) and not scheduler.remove(requests[1])
+    assert scheduler.cancel(seqs[0]) == [requests[0]] and scheduler.cancel(seqs[0]) == []
+    batch, _ = scheduler.schedule(no_idle)
+    assert [i.request for i in batch] == [requests[2]] and seqs[2].allocated
+    scheduler.enqueue(verify_request(seqs[2], 2))
+    assert len(scheduler.release(seqs[2])) == 1 and not seqs[2].allocated
+    assert len(scheduler) == 0 and scheduler.block_manager.num_used_blocks == 0
+    scheduler.enqueue(requests[0])
+    assert scheduler.clear() == [requests[0]] and len(scheduler) == 0
+
+
+def test_expired_requests_fail_and_the_rest_run() -> None:
+    scheduler = make_scheduler()
+    late, alive = new_seq(0, 3), new_seq(1, 3)
+    scheduler.enqueue(verify_request(late, 0, deadline=0.0))
+    scheduler.enqueue(verify_request(alive, 0))
+    batch, failed = scheduler.schedule(no_idle)
+    assert [(r.seq.seq_id, e.code) for r, e in failed] == [(0, "DEADLINE_EXCEEDED")]
+    assert [i.request.seq.seq_id for i in batch] == [1] and len(scheduler) == 0
+
+
+# --------------------------------------------------------------------------------- a fault stays inside its request
+def test_a_broken_request_fails_alone() -> None:
+    scheduler = make_scheduler(budget=32)
+    good, broken = new_seq(0, 5), new_seq(1, 5)
+    scheduler.enqueue(verify_request(broken, 0))
+    scheduler.enqueue(verify_request(good, 0))
+    batch, failed = scheduler.schedule(no_idle)
+    run_forward(scheduler, batch)
+    broken.token_ids = broken.token_ids[:2]              # a bug elsewhere: fewer tokens than its KV holds
+    broken.num_verified = 2
+    scheduler.enqueue(verify_request(broken, 0))
+    scheduler.enqueue(verify_request(good, 3))
+    batch, failed = scheduler.schedule(no_idle)
+    assert [(r.seq.seq_id, e.code) for r, e in failed] == [(1, "INTERNAL")]
+    assert [i.request.seq.seq_id for i in batch] == [0]
+    assert not broken.allocated and len(scheduler) == 0   # its KV is freed; it would recompute if it went on
+    scheduler.block_manager.check_invariants()
+
+
+def test_a_sequence_larger_than_the_pool_fails_with_resource_exhausted() -> None:
+    scheduler = make_scheduler(budget=8, num_blocks=4, block_size=4)
+    seq = new_seq(0, 30)
+    scheduler.enqueue(verify_request(seq, 0))
+    codes = []
+    for _ in range(5):
+        batch, failed = scheduler.schedule(no_idle)
+        codes += [e.code for _, e in failed]
+        run_forward(scheduler, batch)
+    assert codes == ["RESOURCE_EXHAUSTED"] and scheduler.block_manager.num_used_blocks == 0
+
+
+# --------------------------------------------------------------------------------- preemption
+def test_preemption_takes_idle_sequences_first() -> None:
+    scheduler = make_scheduler(budget=64, num_blocks=6, block_size=4)
+    idle, old, new = new_seq(0, 12), new_seq(1, 4, first=100), new_seq(2, 4, first=200)
+    for seq in (idle, old, new):
+        scheduler.enqueue(verify_request(seq, 0))
+    run_forward(scheduler, scheduler.schedule(no_idle)[0])   # 3 + 1 + 1 blocks used, 1 free
+    scheduler.enqueue(verify_request(old, 4))                # needs 2 more blocks
+    scheduler.enqueue(verify_request(new, 0))                # needs 1 more
+    batch, failed = scheduler.schedule(lambda: [idle])
+    assert not failed and [i.request.seq.seq_id for i in batch] == [1, 2]
+    assert not idle.allocated and new.allocated and scheduler.num_preemptions == 1
+    scheduler.block_manager.check_invariants()
+
+
+def test_preemption_then_takes_the_newest_waiting_never_an_older_one() -> None:
+    scheduler = make_scheduler(budget=64, num_blocks=4, block_size=4)
+    old, new = new_seq(0, 4), new_seq(1, 4, first=100)
+    for seq in (old, new):
+        scheduler.enqueue(verify_request(seq, 0))
+    run_forward(scheduler, scheduler.schedule(no_idle)[0])   # 1 + 1 blocks used
+    scheduler.enqueue(verify_request(old, 8))                # 4 + 9 tokens: needs 3 more blocks
+    scheduler.enqueue(verify_request(new, 0))
+    batch, failed = scheduler.schedule(no_idle)
+    assert not failed and [i.request.seq.seq_id for i in batch] == [0] and batch[0].is_final
+    assert batch[0].token_ids == [old.token_ids[-1]] + [7] * 8
+    assert scheduler.num_preemptions == 1 and new.num_computed == 0 and len(scheduler) == 1
+    assert scheduler.block_manager.block_table(new.seq_id) == []
+    run_forward(scheduler, batch, num_accepted=8)            # old now holds 13 tokens of KV: all 4 blocks
+    batch, failed = scheduler.schedule(lambda: [old])        # old is idle now: new may take its blocks
+    assert not failed and [i.request.seq.seq_id for i in batch] == [1] and batch[0].token_ids == new.token_ids
+    assert not old.allocated and scheduler.num_preemptions == 2
+    scheduler.block_manager.check_invariants()
+
+
+# --------------------------------------------------------------------------------- random operations
+MAX_MODEL_LEN = 48
+SHARED_PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8] * 6, [9, 8, 7, 6, 5, 4, 3, 2] * 6]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Near-context prompts, short sequences verifying k in 0..16 drafts, shared prefixes, small pools, expired
+    requests and cancels; every step is simulated like the verifier and checked."""
+
+    @initialize(budget=st.integers(8, 40), max_num_seqs=st.integers(1, 6), block_size=st.sampled_from([2, 4, 8]),
+                 extra_blocks=st.integers(0, 30), prefix_caching=st.booleans())
+    def setup(self, budget: int, max_num_seqs: int, block_size: int, extra_blocks: int,
+              prefix_caching: bool) -> None:
+        num_blocks = -(-MAX_MODEL_LEN // block_size) + extra_blocks
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+        self.scheduler = Scheduler(self.bm, budget, max_num_seqs)
+        self.seqs: dict[int, SeqState] = {}
+        self.queued: dict[int, ForwardRequest] = {}
+        self.next_id = 0
+        self.num_finals = 0
+
+    # ---- traffic --------------------------------------------------------------------------------------------
+    @precondition(lambda self: len(self.seqs) < 8)
+    @rule(prefix=st.sampled_from([0, 1]), shared=st.integers(0, 48), tail=st.lists(st.integers(0, 99), max_size=12),
+          near_context=st.booleans())
+    def start(self, prefix: int, shared: int, tail: list[int], near_context: bool) -> None:
+        prompt = (SHARED_PREFIXES[prefix][:shared] + tail)[: MAX_MODEL_LEN - 1]
+        if near_context:
+            prompt = (SHARED_PREFIXES[prefix] + tail + [0] * MAX_MODEL_LEN)[: MAX_MODEL_LEN - 1 - len(tail) % 3]
+        if not prompt:
+            prompt = [prefix]
+        seq = SeqState(self.next_id, prompt, num_verified=len(prompt))
+        self.next_id += 1
+        self.seqs[seq.seq_id] = seq
+        self._enqueue(ForwardRequest(seq, [], 1))
+
+    @rule(data=st.data(), k=st.integers(0, 16))
+    def verify(self, data: st.DataObject, k: int) -> None:
+        idle = [s for s in self.seqs.values() if s.seq_id not in self.queued and len(s.token_ids) < MAX_MODEL_LEN]
+        if not idle:
+            return
+        seq = data.draw(st.sampled_from(idle))
+        drafts = data.draw(st.lists(st.integers(0, 99), min_size=k, max_size=k))[: MAX_MODEL_LEN - len(seq.token_ids)]
+        self._enqueue(ForwardRequest(seq, drafts, len(drafts) + 1))
+
+    def _enqueue(self, request: ForwardRequest) -> None:
+        try:
+            self.scheduler.enqueue(request)
+        except EngineError as exc:
+            assert exc.code == "INVALID_ARGUMENT" and request.num_logits > self.scheduler.max_num_batched_tokens
+            return
+        assert request.num_logits <= self.scheduler.max_num_batched_tokens
+        self.queued[request.seq.seq_id] = request
+
+    @precondition(lambda self: self.queued)
+    @rule(data=st.data())
+    def expire(self, data: st.DataObject) -> None:
+        data.draw(st.sampled_from(sorted(self.queued.values(), key=lambda r: r.seq.seq_id))).deadline = 0.0
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.seqs.values(), key=lambda s: s.seq_id)))
+        self._end(seq)
+
+    def _end(self, seq: SeqState) -> None:
+        removed = self.scheduler.release(seq)
+        assert removed == ([self.queued.pop(seq.seq_id)] if seq.seq_id in self.queued else [])
+        del self.seqs[seq.seq_id]
+
+    # ---- one engine step ------------------------------------------------------------------------------------
+    @rule(seed=st.integers(0, 2**32))
+    def step(self, seed: int) -> None:
+        self._step(random.Random(seed))
+
+    def _step(self, rng: random.Random) -> None:
+        had_work = len(self.scheduler) > 0
+        before = {s.seq_id: s.num_computed for s in self.seqs.values()}
+        batch, failed = self.scheduler.schedule(self._idle)
+        assert not had_work or batch or failed, "work waited but nothing ran or failed"
+        for request, error in failed:
+            assert error.code in ("DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"), error
+            assert request not in self.scheduler.waiting
+            self.queued.pop(request.seq.seq_id)
+            self._end(request.seq)                       # the verifier closes a failed session
+        self._check_batch(batch, before)
+        for item in batch:
+            self._simulate(item, rng)
+        self.bm.check_invariants()
+
+    def _idle(self) -> list[SeqState]:
+        return [s for s in self.seqs.values() if s.seq_id not in self.queued]
+
+    def _check_batch(self, batch: list[ScheduledItem], before: dict[int, int]) -> None:
+        assert sum(len(i.token_ids) for i in batch) <= self.scheduler.max_num_batched_tokens
+        assert len(batch) <= self.scheduler.max_num_seqs
+        assert len({i.request.seq.seq_id for i in batch}) == len(batch)
+        for item in batch:
+            req, seq = item.request, item.request.seq
+            assert self.queued[seq.seq_id] is req
+            full = seq.token_ids + req.extra_ids
+            end = item.start_pos + len(item.token_ids)
+            assert item.start_pos == seq.num_computed and item.token_ids == full[item.start_pos: end]
+            assert self.bm.num_tokens(seq.seq_id) == end     # the slots it writes are reserved
+            assert len(item.token_ids) > 0
+            if item.is_final:
+                assert end == len(full) and len(item.token_ids) >= req.num_logits   # every logits token runs
+                assert req not in self.scheduler.waiting
+            else:
+                assert end <= len(full) - req.num_logits   # a chunk never reaches the logits tokens
+                assert req in self.scheduler.waiting
+            if seq.seq_id in before and seq.allocated and item.start_pos < before[seq.seq_id]:
+                assert item.start_pos == seq.num_cached_tokens   # recomputed after a preemption
+
+    def _simulate(self, item: ScheduledItem, rng: random.Random) -> None:
+        seq, req = item.request.seq, item.request
+        if not item.is_final:
+            seq.num_computed += len(item.token_ids)
+            return
+        self.num_finals += 1
+        del self.queued[seq.seq_id]
+        accepted = rng.randint(0, len(req.extra_ids))
+        seq.num_computed = len(seq.token_ids) + accepted
+        seq.token_ids.extend(req.extra_ids[:accepted] + [rng.randrange(100)])
+        seq.num_verified = len(seq.token_ids)
+        self.scheduler.commit(seq)
+        if len(seq.token_ids) >= MAX_MODEL_LEN:
+            self._end(seq)
+
+    @invariant()
+    def consistent(self) -> None:
+        if not hasattr(self, "bm"):
+            return
+        self.bm.check_invariants()
+        assert len(self.scheduler) == len(self.queued)
+        assert {r.seq.seq_id for r in self.scheduler} == set(self.queued)
+        for seq in self.seqs.values():
+            if seq.allocated:
+                assert self.bm.num_tokens(seq.seq_id) == seq.num_computed <= len(seq.token_ids)
+
+    def teardown(self) -> None:
+        if not hasattr(self, "bm"):
+            return
+        rng = random.Random(0)
+        for _ in range(400):                              # everything queued finishes (or fails) in bounded steps
+            if not self.scheduler:
+                break
+            self._step(rng)
+        assert len(self.scheduler) == 0
+        for seq in list(self.seqs.values()):
+            self._end(seq)
+        self.bm.check_invariants()
+        assert self.bm.num_used_blocks == 0 and self.bm.num_free_blocks == self.bm.num_blocks
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
