@@ -8,8 +8,9 @@ from protos.specmesh.v1 import draft_pb2, draft_pb2_grpc
 from specmesh.config import DraftConfig
 from specmesh.engine.build import build_engine_parts
 from specmesh.grpc_server import ServiceServer
+from specmesh.leases import SessionLeases, reap_forever
 from specmesh.security import server_credentials
-from specmesh.telemetry.metrics import start_metrics
+from specmesh.telemetry.metrics import SessionMetrics, start_metrics
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 
@@ -20,10 +21,13 @@ def build_draft(config: DraftConfig) -> tuple[ServiceServer, DraftEngine]:
     engine = DraftEngine(parts.runner, parts.block_manager, parts.max_model_len,
                          config.engine.max_num_batched_tokens, config.engine.max_num_seqs,
                          config.engine.max_queue_len, config.engine.num_threads, config.draft_ahead)
+    leases = SessionLeases(config.session_lease_s)
     servicer = DraftServicer(engine, parts.loaded.model.config.vocab_size, config.max_draft_tokens,
-                             config.max_q_entries)
+                             config.max_q_entries, leases)
     server = ServiceServer([SERVICE_NAME], lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s),
                            credentials)
     server.metrics = start_metrics(config.telemetry, config.host, engine.metrics.registry)
+    expired = SessionMetrics(engine.metrics.registry).expired
+    server.background.append(lambda: reap_forever(leases, engine.end_session, expired.inc))
     engine.start()
     return server, engine

@@ -1,4 +1,10 @@
-"""Thin gRPC servicer of the draft service: validate, delegate to the engine, map errors to status codes."""
+"""Thin gRPC servicer of the draft service: validate, check the session's owner, delegate to the engine.
+
+Errors are raised (EngineError) and mapped to status codes in one place, `specmesh/rpc_guard.py`.
+Sessions are owned and leased (`specmesh/leases.py`): the caller chooses an owner token, the Propose that creates
+the session binds it, and every later Propose / EndSession must present it (else PERMISSION_DENIED). A session
+idle for the lease period is ended by the service's reaper task (draft_service/server.py).
+"""
 
 from __future__ import annotations
 
@@ -7,20 +13,22 @@ import grpc
 from draft_service.engine import DraftEngine, Drafts
 from protos.specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specmesh.engine.loop import EngineError
-from specmesh.grpc_server import status_code
+from specmesh.leases import SessionLeases, check_owner_token, check_session_id
 from specmesh.proto_convert import sampling_from_proto, sparse_dists_to_proto
 
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
-    def __init__(self, engine: DraftEngine, vocab_size: int, max_draft_tokens: int, max_q_entries: int) -> None:
+    def __init__(self, engine: DraftEngine, vocab_size: int, max_draft_tokens: int, max_q_entries: int,
+                 leases: SessionLeases) -> None:
         self.engine = engine
+        self.leases = leases
         self.vocab_size = vocab_size
         self.max_draft_tokens = max_draft_tokens
         self.max_q_entries = max_q_entries
 
     def _validate(self, request: draft_pb2.ProposeRequest) -> None:
-        if not request.session_id:
-            raise EngineError("INVALID_ARGUMENT", "session_id is required")
+        check_session_id(request.session_id)
+        check_owner_token(request.owner_token)
         if request.num_draft_tokens > self.max_draft_tokens:
             raise EngineError("INVALID_ARGUMENT",
                               f"num_draft_tokens must be <= {self.max_draft_tokens}, got {request.num_draft_tokens}")
@@ -34,20 +42,29 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 
     async def Propose(self, request: draft_pb2.ProposeRequest,
                       context: grpc.aio.ServicerContext) -> draft_pb2.ProposeResponse:
+        self._validate(request)
+        params = sampling_from_proto(request.sampling)
+        max_q = min(request.max_q_entries or self.max_q_entries, self.max_q_entries)
+        session_id = request.session_id
+        opened = self.leases.bind(session_id, request.owner_token)
         try:
-            self._validate(request)
-            params = sampling_from_proto(request.sampling)
-            max_q = min(request.max_q_entries or self.max_q_entries, self.max_q_entries)
-            proposal: Drafts = await self.engine.propose(
-                request.session_id, request.context_len, list(request.new_token_ids), request.num_draft_tokens,
-                params, max_q, min(request.num_ahead_tokens, 2 * self.max_draft_tokens + 1),
-                request.num_assumed_tokens).future
-        except EngineError as exc:
-            await context.abort(status_code(exc.code), str(exc))
+            with self.leases.call(session_id, request.owner_token):
+                proposal: Drafts = await self.engine.propose(
+                    session_id, request.context_len, list(request.new_token_ids), request.num_draft_tokens,
+                    params, max_q, min(request.num_ahead_tokens, 2 * self.max_draft_tokens + 1),
+                    request.num_assumed_tokens).future
+        except BaseException:
+            if opened:      # the call that created the session failed: nothing of it stays (the caller resends)
+                self.leases.close(session_id)
+                self.engine.end_session(session_id)
+            raise
         return draft_pb2.ProposeResponse(draft_token_ids=proposal.draft_ids,
                                          draft_dists=sparse_dists_to_proto(proposal.draft_dists))
 
     async def EndSession(self, request: common_pb2.EndSessionRequest,
                          context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:
-        self.engine.end_session(request.session_id)
+        session_id = check_session_id(request.session_id)
+        self.leases.check(session_id, request.owner_token)
+        self.leases.close(session_id)
+        self.engine.end_session(session_id)
         return common_pb2.EndSessionResponse()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -66,6 +67,9 @@ class ModelDrafter:
     sampling: SamplingParams
     timeout_s: float
     max_q_entries: int = 0
+    # Chosen here and sent on every call: the Propose that creates the draft session binds it, and the service
+    # refuses the session's calls without it. It binds again when the service lost the session (whole context).
+    owner_token: str = field(default_factory=lambda: secrets.token_urlsafe(16))
     # What the draft service holds as its context: `num_synced` tokens of the verified context, then `spec_ids`
     # (draft tokens a prefetch told it to assume accepted). The next call sends everything after the longest
     # prefix of that which is still right.
@@ -159,7 +163,8 @@ class ModelDrafter:
         base = min(base, len(context_ids))
         verified = len(context_ids) if num_verified is None else num_verified
         request = draft_pb2.ProposeRequest(
-            session_id=self.session_id, context_len=len(context_ids), new_token_ids=context_ids[base:],
+            session_id=self.session_id, owner_token=self.owner_token, context_len=len(context_ids),
+            new_token_ids=context_ids[base:],
             num_draft_tokens=num_tokens, sampling=sampling_to_proto(self.sampling), max_q_entries=self.max_q_entries,
             num_ahead_tokens=num_ahead_tokens, num_assumed_tokens=len(context_ids) - verified)
         self.num_synced, self.spec_ids = verified, list(context_ids[verified:])
@@ -196,7 +201,8 @@ class ModelDrafter:
         if self.bytes_sent == 0:
             return                                # never proposed (other tiers drafted): no session to end
         with contextlib.suppress(grpc.aio.AioRpcError):
-            await self.stub.EndSession(common_pb2.EndSessionRequest(session_id=self.session_id), timeout=2.0)
+            await self.stub.EndSession(common_pb2.EndSessionRequest(session_id=self.session_id,
+                                                                    owner_token=self.owner_token), timeout=2.0)
 
 
 def _to_draft(token_ids: Sequence[int], dists: Sequence[common_pb2.SparseDist]) -> Draft:

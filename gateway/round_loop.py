@@ -43,6 +43,7 @@ class Generation:
         self.params = params
         self.trace_context = trace_context          # the request span: parent of the prefill / round spans
         self.session_id = session_id
+        self.owner_token = ""                       # the verifier's token for this session (from StartSession)
         self.verifiers = list(verifiers)            # replicas in the order to try; the session stays on one
         self.verifier = self.verifiers[0]
         self.drafter = drafter
@@ -74,7 +75,7 @@ class Generation:
                 draft = await self.drafter.propose(context, num_draft) if self.drafter else NO_DRAFT
                 drafted = time.perf_counter()
                 verify = self.verifier.Verify(verifier_pb2.VerifyRequest(
-                    session_id=self.session_id, draft_token_ids=draft.token_ids,
+                    session_id=self.session_id, owner_token=self.owner_token, draft_token_ids=draft.token_ids,
                     draft_dists=sparse_dists_to_proto(draft.dists or [])), timeout=self.timeout_s)
                 if self.prefetch and self.drafter is not None:
                     # The next block crosses the draft link while the verifier works (used if all is accepted).
@@ -105,15 +106,18 @@ class Generation:
                     raise
                 log.warning("verifier replica %d unavailable (%s); trying the next", i, exc.details())
                 continue
-            self.verifier = stub
+            self.verifier, self.owner_token = stub, start.owner_token
             return start
         raise AssertionError("unreachable: at least one verifier replica")
 
     async def close(self) -> None:
-        """Release the session everywhere; runs even when the client went away."""
+        """Release the session everywhere; runs even when the client went away. A verifier session that never
+        started has no token and needs no EndSession (a StartSession that failed or was cancelled ends itself)."""
         with end_session_span(self.trace_context):
-            calls = [self.verifier.EndSession(common_pb2.EndSessionRequest(session_id=self.session_id),
-                                              timeout=5.0)]
+            calls = []
+            if self.owner_token:
+                calls.append(self.verifier.EndSession(common_pb2.EndSessionRequest(
+                    session_id=self.session_id, owner_token=self.owner_token), timeout=5.0))
             if self.drafter is not None:
                 calls.append(self.drafter.close())
             results = await asyncio.gather(*calls, return_exceptions=True)

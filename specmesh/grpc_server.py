@@ -1,4 +1,5 @@
-"""gRPC server bootstrap shared by the services: health, reflection, message limits, graceful shutdown."""
+"""gRPC server bootstrap shared by the services: health, reflection, message limits, request parsing and error
+mapping (specmesh/rpc_guard.py), background tasks, graceful shutdown."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specmesh.rpc_guard import RpcGuard, status_code
 from specmesh.telemetry.metrics import MetricsServer
 from specmesh.telemetry.tracing import server_interceptors
 
@@ -31,7 +34,9 @@ class ServiceServer:
     def __init__(self, service_names: Sequence[str], add_servicers: Callable[[grpc.aio.Server], None],
                  credentials: grpc.ServerCredentials | None = None,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*server_interceptors(), *interceptors])
+        # RpcGuard innermost: it sees the servicer's own exceptions; the others see the status it sets.
+        self.server = grpc.aio.server(options=SERVER_OPTIONS,
+                                      interceptors=[*server_interceptors(), *interceptors, RpcGuard()])
         self.credentials = credentials              # TLS (specmesh.security.server_credentials); None = plaintext
         add_servicers(self.server)
         self.health = health.aio.HealthServicer()
@@ -47,6 +52,10 @@ class ServiceServer:
         # Awaited on stop after health turns NOT_SERVING and before new calls are refused: lets in-flight work end
         # (the verifier waits for its sessions, whose Verify calls must still get through).
         self.drain: Callable[[], Awaitable[None]] | None = None
+        # Started with the server, cancelled once it has stopped (they keep running while it drains): e.g. the
+        # model services' lease reaper (specmesh/leases.py).
+        self.background: list[Callable[[], Coroutine[Any, Any, None]]] = []
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self, host: str, port: int) -> int:
         address = f"{host}:{port}"
@@ -55,6 +64,7 @@ class ServiceServer:
         if self.port == 0:
             raise RuntimeError(f"cannot bind {host}:{port}")
         await self.server.start()
+        self._tasks = [asyncio.ensure_future(make()) for make in self.background]
         await self._set_status(health_pb2.HealthCheckResponse.SERVING)
         return self.port
 
@@ -72,6 +82,8 @@ class ServiceServer:
             except TimeoutError:
                 log.warning("drain did not finish within %.0f s", grace_s)
         await self.server.stop(max(0.0, deadline - time.monotonic()))
+        for task in self._tasks:
+            task.cancel()
         if self.metrics is not None:
             self.metrics.close()
         for hook in self.on_stop:
@@ -99,5 +111,4 @@ def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
     return None if remaining is None else time.monotonic() + remaining
 
 
-def status_code(name: str) -> grpc.StatusCode:
-    return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
+__all__ = ["ServiceServer", "deadline_of", "serve_until_signal", "status_code"]

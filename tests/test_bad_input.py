@@ -83,7 +83,7 @@ async def test_internal_services_validate(stack) -> None:
         verifier = verifier_pb2_grpc.VerifierStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await verifier.Verify(verifier_pb2.VerifyRequest(session_id="nope", draft_token_ids=[1]))
-        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED      # not open: same answer as a wrong token
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await verifier.StartSession(verifier_pb2.StartSessionRequest(session_id="s", prompt_token_ids=[10**6]))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "vocab" in info.value.details()
@@ -94,14 +94,15 @@ async def test_internal_services_validate(stack) -> None:
         assert start.first_token_id >= 0
         with pytest.raises(grpc.aio.AioRpcError) as info:
             bad_q = common_pb2.SparseDist(token_ids=[1, 2], probs=[0.5])
-            await verifier.Verify(verifier_pb2.VerifyRequest(session_id="ok", draft_token_ids=[1], draft_dists=[bad_q]))
+            await verifier.Verify(verifier_pb2.VerifyRequest(session_id="ok", draft_token_ids=[1], draft_dists=[bad_q],
+                                                             owner_token=start.owner_token))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "draft_dists[0]" in info.value.details()
-        await verifier.EndSession(common_pb2.EndSessionRequest(session_id="ok"))
+        await verifier.EndSession(common_pb2.EndSessionRequest(session_id="ok", owner_token=start.owner_token))
     async with grpc.aio.insecure_channel(stack["draft"].addr) as channel:
         draft = draft_pb2_grpc.DraftStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await draft.Propose(draft_pb2.ProposeRequest(session_id="d", context_len=5, new_token_ids=[1],
-                                                         num_draft_tokens=2))
+                                                         num_draft_tokens=2, owner_token="t"))
         assert info.value.code() == grpc.StatusCode.NOT_FOUND      # unknown session must be sent its whole context
 
 

@@ -8,8 +8,9 @@ from protos.specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 from specmesh.config import VerifierConfig
 from specmesh.engine.build import build_engine_parts
 from specmesh.grpc_server import ServiceServer
+from specmesh.leases import SessionLeases, reap_forever
 from specmesh.security import server_credentials
-from specmesh.telemetry.metrics import start_metrics
+from specmesh.telemetry.metrics import SessionMetrics, start_metrics
 from verifier_service.engine import VerifierEngine
 from verifier_service.servicer import VerifierServicer
 
@@ -22,12 +23,15 @@ def build_verifier(config: VerifierConfig) -> tuple[ServiceServer, VerifierEngin
     engine = VerifierEngine(parts.runner, parts.block_manager, parts.max_model_len,
                             config.engine.max_num_batched_tokens, config.engine.max_num_seqs,
                             config.engine.max_queue_len, config.engine.num_threads)
+    leases = SessionLeases(config.session_lease_s)
     servicer = VerifierServicer(engine, parts.loaded.name, parts.loaded.model.config.vocab_size,
-                                parts.loaded.eos_token_ids)
+                                parts.loaded.eos_token_ids, leases, config.max_draft_tokens)
     server = ServiceServer([SERVICE_NAME],
                            lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), credentials)
     server.metrics = start_metrics(config.telemetry, config.host, engine.metrics.registry)
     server.drain = lambda: drain_sessions(engine)
+    expired = SessionMetrics(engine.metrics.registry).expired
+    server.background.append(lambda: reap_forever(leases, engine.end_session, expired.inc))
     engine.start()
     return server, engine
 

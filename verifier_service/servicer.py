@@ -1,4 +1,10 @@
-"""Thin gRPC servicer of the verifier: validate, delegate to the engine, map errors to status codes."""
+"""Thin gRPC servicer of the verifier: validate, check the session's owner, delegate to the engine.
+
+Errors are raised (EngineError) and mapped to status codes in one place, `specmesh/rpc_guard.py`.
+Sessions are owned and leased (`specmesh/leases.py`): StartSession returns an owner token that Verify and
+EndSession must present (else PERMISSION_DENIED), and a session idle for the lease period is ended by the
+service's reaper task (verifier_service/server.py).
+"""
 
 from __future__ import annotations
 
@@ -6,18 +12,21 @@ import grpc
 
 from protos.specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specmesh.engine.loop import EngineError
-from specmesh.grpc_server import deadline_of, status_code
+from specmesh.grpc_server import deadline_of
+from specmesh.leases import SessionLeases, check_session_id
 from specmesh.proto_convert import sampling_from_proto, sparse_dists_from_proto
-from verifier_service.engine import VerifierEngine
+from verifier_service.engine import VerifierEngine, VerifyResult
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, engine: VerifierEngine, model_name: str, vocab_size: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], leases: SessionLeases, max_draft_tokens: int = 64) -> None:
         self.engine = engine
         self.model_name = model_name
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.leases = leases
+        self.max_draft_tokens = max_draft_tokens
 
     def _check_ids(self, ids: list[int], field: str) -> None:
         bad = [t for t in ids if t >= self.vocab_size]
@@ -26,34 +35,44 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def StartSession(self, request: verifier_pb2.StartSessionRequest,
                            context: grpc.aio.ServicerContext) -> verifier_pb2.StartSessionResponse:
+        session_id = check_session_id(request.session_id)
+        prompt_ids = list(request.prompt_token_ids)
+        self._check_ids(prompt_ids, "prompt_token_ids")
+        params = sampling_from_proto(request.sampling)
+        token = self.leases.open(session_id)
         try:
-            if not request.session_id:
-                raise EngineError("INVALID_ARGUMENT", "session_id is required")
-            prompt_ids = list(request.prompt_token_ids)
-            self._check_ids(prompt_ids, "prompt_token_ids")
-            params = sampling_from_proto(request.sampling)
-            result = await self.engine.start_session(request.session_id, prompt_ids, params,
-                                                     deadline_of(context)).future
-        except EngineError as exc:
-            await context.abort(status_code(exc.code), str(exc))
-        return verifier_pb2.StartSessionResponse(first_token_id=result.token_ids[0],
+            with self.leases.call(session_id, token):
+                result: VerifyResult = await self.engine.start_session(session_id, prompt_ids, params,
+                                                                       deadline_of(context)).future
+        except BaseException:
+            # Failed or cancelled (the caller went away): nobody holds the token, so nothing may stay open.
+            self.leases.close(session_id)
+            self.engine.end_session(session_id)
+            raise
+        return verifier_pb2.StartSessionResponse(first_token_id=result.token_ids[0], owner_token=token,
                                                  num_cached_prompt_tokens=result.num_cached_prompt_tokens)
 
     async def Verify(self, request: verifier_pb2.VerifyRequest,
                      context: grpc.aio.ServicerContext) -> verifier_pb2.VerifyResponse:
-        try:
+        session_id = check_session_id(request.session_id)
+        if len(request.draft_token_ids) > self.max_draft_tokens:
+            raise EngineError("INVALID_ARGUMENT", f"draft_token_ids has {len(request.draft_token_ids)} tokens; "
+                              f"the limit is max_draft_tokens = {self.max_draft_tokens}")
+        with self.leases.call(session_id, request.owner_token):
             draft_ids = list(request.draft_token_ids)
             self._check_ids(draft_ids, "draft_token_ids")
             dists = sparse_dists_from_proto(request.draft_dists, len(draft_ids), self.vocab_size)
-            result = await self.engine.verify(request.session_id, draft_ids, dists, deadline_of(context)).future
-        except EngineError as exc:
-            await context.abort(status_code(exc.code), str(exc))
+            result: VerifyResult = await self.engine.verify(session_id, draft_ids, dists,
+                                                            deadline_of(context)).future
         return verifier_pb2.VerifyResponse(num_accepted=result.num_accepted, token_ids=result.token_ids,
                                            num_batch_tokens=result.num_batch_tokens, num_waiting=result.num_waiting)
 
     async def EndSession(self, request: common_pb2.EndSessionRequest,
                          context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:
-        self.engine.end_session(request.session_id)
+        session_id = check_session_id(request.session_id)
+        self.leases.check(session_id, request.owner_token)
+        self.leases.close(session_id)
+        self.engine.end_session(session_id)
         return common_pb2.EndSessionResponse()
 
     async def GetModelInfo(self, request: verifier_pb2.GetModelInfoRequest,

@@ -94,6 +94,14 @@ class EngineMetrics:
         self.kv_free.set_function(kv_free)
 
 
+class SessionMetrics:
+    """Session leases of a model service (specmesh/leases.py), in the engine's registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.expired = Counter("specmesh_sessions_expired", "Sessions ended because no call came for the lease period",
+                               registry=registry)
+
+
 TIER_FIELDS = {"hits": "specmesh_draft_tier_hits", "misses": "specmesh_draft_tier_misses",
                "drafted": "specmesh_draft_tier_drafted_tokens", "accepted": "specmesh_draft_tier_accepted_tokens"}
 
