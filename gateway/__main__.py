@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 
-from gateway.openai_http import loopback_channel_factory, loopback_target, served_model, start_openai_http
-from gateway.server import build_gateway
+from gateway.http_edge import http_ssl_context
+from gateway.openai_http import ServedModel, loopback_channel_factory, loopback_target, start_openai_http
+from gateway.server import build_gateway_parts
 from specmesh.config import GatewayConfig, load_config
 from specmesh.grpc_server import serve_until_signal
 from specmesh.telemetry.tracing import setup_tracing
@@ -16,13 +18,18 @@ from specmesh.telemetry.tracing import setup_tracing
 async def _main(argv: list[str]) -> None:
     config = load_config(GatewayConfig, "gateway", argv)
     setup_tracing(config.telemetry, "specmesh-gateway")
-    server = await build_gateway(config)
+    gateway = await build_gateway_parts(config)
+    server = gateway.server
     if config.http_port:
-        http = await start_openai_http(await served_model(config), config.host, config.http_port,
+        ssl_context = http_ssl_context(config.tls)
+        model = ServedModel(gateway.model.name, gateway.model.max_model_len, int(time.time()))
+        http = await start_openai_http(model, config.host, config.http_port,
                                        lambda: loopback_target(config.host, server.port),
-                                       loopback_channel_factory(config))
+                                       loopback_channel_factory(config), gateway.metrics, gateway.tokenizer,
+                                       ssl_context)
         server.on_stop.append(http.close)
-        logging.getLogger(__name__).info("OpenAI-compatible HTTP API on %s:%d/v1", config.host, http.port)
+        logging.getLogger(__name__).info("OpenAI-compatible HTTP API on %s://%s:%d/v1",
+                                         "https" if ssl_context else "http", config.host, http.port)
     await serve_until_signal(server, config.host, config.port, lambda: None)
 
 

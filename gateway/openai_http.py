@@ -1,16 +1,22 @@
-"""OpenAI-compatible HTTP API of the gateway: /v1/completions, /v1/chat/completions (JSON or server-sent events)
-and /v1/models, served with aiohttp in the gateway process on GatewayConfig.http_port.
+"""OpenAI-compatible HTTP API of the gateway: /v1/completions, /v1/chat/completions (JSON or server-sent events),
+/v1/models and /v1/tokenize (vLLM's shape), plus /health, /ping, /metrics and /version, served with aiohttp in the
+gateway process on GatewayConfig.http_port (HTTPS when the gateway has a TLS certificate).
 
-Every request becomes a call to the gateway's own gRPC Generation service on loopback, so HTTP clients get exactly
-the gRPC path: the same validation, API keys (the `Authorization` header is forwarded as metadata), tracing and
-metrics. A stream that fails before its first token is answered with an HTTP error; later errors arrive as an
+Every generation becomes a call to the gateway's own gRPC Generation service on loopback, so HTTP clients get
+exactly the gRPC path: the same validation, API keys (the `Authorization` header is forwarded as metadata),
+tracing and request / latency / token / error metrics. Refusals made before that call (bad JSON, wrong types,
+unknown routes, ...) are answered in OpenAI's error shape by gateway/http_edge.py and counted in the same error
+metric. A stream that fails before its first token is answered with an HTTP error; later errors arrive as an
 `{"error": ...}` event. A client that disconnects cancels its generation (its KV blocks are released).
+/health (and /ping) read the gateway's gRPC health, which follows whether a verifier replica answers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -18,7 +24,12 @@ from typing import Any
 
 import grpc
 from aiohttp import web
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from transformers import PreTrainedTokenizerBase
 
+import specmesh
+from gateway.http_edge import MAX_BODY_BYTES, error_middleware, forwarded_metadata, json_object
 from gateway.openai_protocol import (
     ApiError,
     ParsedRequest,
@@ -33,9 +44,11 @@ from gateway.server import fetch_model_info
 from protos.specmesh.v1 import generate_pb2, generate_pb2_grpc, verifier_pb2_grpc
 from specmesh.channels import internal_channel
 from specmesh.config import GatewayConfig
+from specmesh.telemetry.metrics import GatewayMetrics
 
 FORWARDED_HEADERS = ("authorization", "x-specmesh-tenant")
 log = logging.getLogger(__name__)
+HEALTH_TIMEOUT_S = 2.0
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -52,38 +65,41 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-@web.middleware
-async def _openai_errors(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return web.json_response(exc.body(), status=exc.status)
-
-
 class OpenAIHttp:
-    """The aiohttp app; `grpc_target()` names the gateway's gRPC address (known once the gRPC server is bound)."""
+    """The aiohttp app; `grpc_target()` names the gateway's gRPC address (known once the gRPC server is bound).
+    `metrics`: the gateway's (HTTP refusals counted, /metrics served); `tokenizer`: for /v1/tokenize;
+    `ssl_context`: HTTPS (gateway.http_edge.http_ssl_context)."""
 
     def __init__(self, model: ServedModel, grpc_target: Callable[[], str],
-                 channel_factory: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel) -> None:
+                 channel_factory: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
+                 metrics: GatewayMetrics | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.model = model
         self._target = grpc_target
         self._channel_factory = channel_factory
         self._channel: grpc.aio.Channel | None = None
-        self.app = web.Application(middlewares=[_openai_errors])
-        self.app.add_routes([web.get("/v1/models", self.models), web.post("/v1/completions", self.completions),
-                             web.post("/v1/chat/completions", self.chat_completions)])
+        self.metrics, self.tokenizer, self.ssl_context = metrics, tokenizer, ssl_context
+        self.app = web.Application(middlewares=[error_middleware(metrics)], client_max_size=MAX_BODY_BYTES)
+        self.app.add_routes([
+            web.get("/v1/models", self.models), web.get("/v1/models/{model}", self.model_card),
+            web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/v1/tokenize", self.tokenize), web.get("/health", self.health), web.get("/ping", self.health),
+            web.post("/ping", self.health), web.get("/metrics", self.prometheus), web.get("/version", self.version)])
         self.runner: web.AppRunner | None = None
         self.port = 0
 
-    def _stub(self) -> generate_pb2_grpc.GenerationStub:
+    def _grpc_channel(self) -> grpc.aio.Channel:
         if self._channel is None:
             self._channel = self._channel_factory(self._target())
-        return generate_pb2_grpc.GenerationStub(self._channel)
+        return self._channel
+
+    def _stub(self) -> generate_pb2_grpc.GenerationStub:
+        return generate_pb2_grpc.GenerationStub(self._grpc_channel())
 
     async def start(self, host: str, port: int, shutdown_timeout_s: float = 10.0) -> int:
         self.runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=shutdown_timeout_s)
         await self.runner.setup()
-        await web.TCPSite(self.runner, host, port).start()
+        await web.TCPSite(self.runner, host, port, ssl_context=self.ssl_context).start()
         self.port = self.runner.addresses[0][1]
         return self.port
 
@@ -93,11 +109,70 @@ class OpenAIHttp:
         if self._channel is not None:
             await self._channel.close()
 
-    async def models(self, _: web.Request) -> web.Response:
+    def _card(self) -> dict[str, Any]:
         m = self.model
-        return web.json_response({"object": "list", "data": [
-            {"id": m.name, "object": "model", "created": m.created, "owned_by": "specmesh",
-             "max_model_len": m.max_model_len}]})
+        return {"id": m.name, "object": "model", "created": m.created, "owned_by": "specmesh",
+                "root": m.name, "parent": None, "max_model_len": m.max_model_len}
+
+    def _check_model(self, name: str) -> None:
+        if name and name != self.model.name:
+            raise ApiError(404, f"The model `{name}` does not exist.", param="model",
+                           code="model_not_found")
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._card()]})
+
+    async def model_card(self, request: web.Request) -> web.Response:
+        self._check_model(request.match_info["model"])
+        return web.json_response(self._card())
+
+    async def health(self, _: web.Request) -> web.Response:
+        """200 while the gateway can serve (its gRPC health is SERVING: a verifier replica answers), else 503."""
+        try:
+            reply = await health_pb2_grpc.HealthStub(self._grpc_channel()).Check(
+                health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)
+            status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        except grpc.aio.AioRpcError as exc:
+            status = f"gateway gRPC port: {exc.code().name}"
+        if status == "SERVING":
+            return web.json_response({"status": "ok", "model": self.model.name})
+        error = ApiError(503, f"the gateway cannot serve ({status}): no verifier replica answers", "server_error",
+                         code="service_unavailable")
+        return web.json_response({"status": "unavailable", **error.body()}, status=503)
+
+    async def prometheus(self, _: web.Request) -> web.Response:
+        if self.metrics is None:
+            raise ApiError(404, "metrics are not wired into this HTTP API")
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def version(self, _: web.Request) -> web.Response:
+        return web.json_response({"version": specmesh.__version__, "models": [self.model.name]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: `prompt` (special tokens added unless add_special_tokens is false) or chat `messages`
+        (the chat template with the generation prompt, as the gateway renders them)."""
+        if self.tokenizer is None:
+            raise ApiError(404, "tokenize is not available on this HTTP API")
+        body = await json_object(request)
+        self._check_model(body.get("model") if isinstance(body.get("model"), str) else "")
+        add_special = body.get("add_special_tokens")
+        if add_special is not None and not isinstance(add_special, bool):
+            raise ApiError(400, "'add_special_tokens' must be of type bool", param="add_special_tokens")
+        tokenizer = self.tokenizer
+        if "messages" in body:
+            messages = [{"role": m.role, "content": m.content} for m in parse_chat(body).request.messages]
+            if getattr(tokenizer, "chat_template", None) is None:
+                raise ApiError(400, "the model has no chat template; send a prompt", param="messages")
+            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tokenize=False,
+                                           add_generation_prompt=True)
+            add_special = bool(add_special)
+        else:
+            text = parse_completion({"prompt": body.get("prompt")}).request.prompt
+            add_special = True if add_special is None else add_special
+        encoded = await asyncio.to_thread(tokenizer, text, add_special_tokens=add_special)
+        tokens = list(encoded["input_ids"])
+        return web.json_response({"count": len(tokens), "max_model_len": self.model.max_model_len,
+                                  "tokens": tokens, "token_strs": None})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, chat=False)
@@ -106,17 +181,10 @@ class OpenAIHttp:
         return await self._handle(request, chat=True)
 
     async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        try:
-            body = await request.json()
-        except ValueError:
-            raise ApiError(400, "the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
+        body = await json_object(request)
         parsed = parse_chat(body) if chat else parse_completion(body)
-        if parsed.model and parsed.model != self.model.name:
-            raise ApiError(404, f"The model `{parsed.model}` does not exist.", param="model",
-                           code="model_not_found")
-        metadata = tuple((k, request.headers[k]) for k in FORWARDED_HEADERS if k in request.headers)
+        self._check_model(parsed.model)
+        metadata = forwarded_metadata(request, FORWARDED_HEADERS)
         if parsed.stream:
             return await self._stream(request, parsed, chat, metadata)
         try:
@@ -195,8 +263,9 @@ def loopback_target(host: str, port: int) -> str:
 
 
 async def start_openai_http(model: ServedModel, host: str, port: int, grpc_target: Callable[[], str],
-                            channel_factory: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel
-                            ) -> OpenAIHttp:
-    http = OpenAIHttp(model, grpc_target, channel_factory)
+                            channel_factory: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
+                            metrics: GatewayMetrics | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
+                            ssl_context: ssl.SSLContext | None = None) -> OpenAIHttp:
+    http = OpenAIHttp(model, grpc_target, channel_factory, metrics, tokenizer, ssl_context)
     await http.start(host, port)
     return http

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from gateway.health import VerifierWatch
 from gateway.safe_parse import add_generation_servicer
 from gateway.servicer import GenerationServicer, ModelInfo
 from gateway.tiers import build_tiers
@@ -42,7 +44,22 @@ def load_tokenizer(ref: str, cache_dir: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+@dataclass
+class Gateway:
+    """The gateway's gRPC server and what its HTTP API shares with it."""
+
+    server: ServiceServer
+    model: ModelInfo
+    tokenizer: PreTrainedTokenizerBase
+    metrics: GatewayMetrics            # one registry: the metrics port and the HTTP API's /metrics
+    watch: VerifierWatch               # readiness: some verifier replica answers
+
+
 async def build_gateway(config: GatewayConfig, wait_for_verifier_s: float = 600.0) -> ServiceServer:
+    return (await build_gateway_parts(config, wait_for_verifier_s)).server
+
+
+async def build_gateway_parts(config: GatewayConfig, wait_for_verifier_s: float = 600.0) -> Gateway:
     credentials, interceptors = server_credentials(config.tls), api_key_interceptors(config)   # fail fast
     addrs = [a.strip() for a in config.verifier_addr.split(",") if a.strip()]
     if not addrs:
@@ -61,6 +78,10 @@ async def build_gateway(config: GatewayConfig, wait_for_verifier_s: float = 600.
     server = ServiceServer([SERVICE_NAME], lambda s: add_generation_servicer(servicer, s), credentials, interceptors)
     metrics.registry.register(StatsCollector(server.stats))       # tier hits, draft-link bytes
     server.metrics = start_metrics(config.telemetry, config.host, metrics.registry)
+    watch = VerifierWatch(verifiers, addrs, server.set_ready)     # gRPC health (and HTTP /health) follow it
+    server.readiness = lambda: watch.serving
+    watch.start()
+    server.on_stop.append(watch.close)
     server.on_stop.append(tiers.close)
     server.stats["drafting"] = tiers.snapshot
-    return server
+    return Gateway(server, model, tokenizer, metrics, watch)

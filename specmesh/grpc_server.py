@@ -56,6 +56,10 @@ class ServiceServer:
         # model services' lease reaper (specmesh/leases.py).
         self.background: list[Callable[[], Coroutine[Any, Any, None]]] = []
         self._tasks: list[asyncio.Task[None]] = []
+        # When set, health reports SERVING only while it is true (the gateway: some verifier replica answers);
+        # whoever watches it calls set_ready() on each change.
+        self.readiness: Callable[[], bool] | None = None
+        self._stopping = False
 
     async def start(self, host: str, port: int) -> int:
         address = f"{host}:{port}"
@@ -65,8 +69,14 @@ class ServiceServer:
             raise RuntimeError(f"cannot bind {host}:{port}")
         await self.server.start()
         self._tasks = [asyncio.ensure_future(make()) for make in self.background]
-        await self._set_status(health_pb2.HealthCheckResponse.SERVING)
+        await self.set_ready(self.readiness is None or self.readiness())
         return self.port
+
+    async def set_ready(self, ready: bool) -> None:
+        """SERVING or NOT_SERVING for every service name; ignored before start and once stopping."""
+        if self.port and not self._stopping:
+            await self._set_status(health_pb2.HealthCheckResponse.SERVING if ready
+                                   else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def _set_status(self, status: int) -> None:
         for name in ["", *self.service_names]:
@@ -75,6 +85,7 @@ class ServiceServer:
     async def stop(self, grace_s: float = 5.0) -> None:
         """Report NOT_SERVING, drain, refuse new calls, let running ones finish; all within grace_s."""
         deadline = time.monotonic() + grace_s
+        self._stopping = True
         await self._set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.drain is not None and grace_s > 0:
             try:

@@ -1,0 +1,78 @@
+"""The gateway's readiness: it can serve while at least one verifier replica answers.
+
+A small watcher probes every replica with GetModelInfo (short timeout) every `interval_s`, on the same channels
+the requests use, and reports each change of "some replica answers" to `on_change` (the gateway's gRPC health,
+which the HTTP API's /health reads too). A replica counts as down after `failures_to_down` failed probes in a row
+(one slow answer on a loaded machine does not flap the health) and as up again after one answered probe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+
+import grpc
+
+from protos.specmesh.v1 import verifier_pb2, verifier_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class VerifierWatch:
+    def __init__(self, verifiers: Sequence[verifier_pb2_grpc.VerifierStub], names: Sequence[str],
+                 on_change: Callable[[bool], Awaitable[None]], interval_s: float = 1.0, timeout_s: float = 2.0,
+                 failures_to_down: int = 2) -> None:
+        self.verifiers = list(verifiers)
+        self.names = list(names)
+        self.on_change = on_change
+        self.interval_s, self.timeout_s, self.failures_to_down = interval_s, timeout_s, failures_to_down
+        self.failures = [0] * len(self.verifiers)      # consecutive failed probes per replica
+        self.serving = True                            # the gateway was built after a verifier answered
+        self._task: asyncio.Task[None] | None = None
+
+    def replica_up(self, index: int) -> bool:
+        return self.failures[index] < self.failures_to_down
+
+    async def _probe(self, index: int) -> None:
+        try:
+            await self.verifiers[index].GetModelInfo(verifier_pb2.GetModelInfoRequest(), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            self.failures[index] += 1
+            if self.failures[index] == self.failures_to_down:
+                log.warning("verifier %s does not answer: %s", self.names[index], exc.code().name)
+            return
+        if not self.replica_up(index):
+            log.info("verifier %s answers again", self.names[index])
+        self.failures[index] = 0
+
+    async def probe_once(self) -> bool:
+        """Probes every replica once; reports a change of the gateway's readiness. Returns it."""
+        await asyncio.gather(*(self._probe(i) for i in range(len(self.verifiers))))
+        serving = any(self.replica_up(i) for i in range(len(self.verifiers)))
+        if serving != self.serving:
+            self.serving = serving
+            log.warning("gateway %s", "SERVING: a verifier answers" if serving else
+                        "NOT_SERVING: no verifier replica answers")
+            await self.on_change(serving)
+        return serving
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.probe_once()
+            except Exception:                  # never let the watcher die silently
+                log.exception("verifier health probe failed")
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="verifier-watch")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
