@@ -1,18 +1,22 @@
-"""Cache key names: HMAC-SHA256 with a configured secret, so names reveal neither prompt text nor token ids.
+"""Cache key names: HMAC-SHA256 with a key derived from the cache secret, so names reveal neither prompt text nor
+token ids.
 
 The MAC covers (target model, tokenizer, scope, n, last n token ids); every field is length-prefixed, so no two
-inputs share an encoding. Longer suffixes are more specific and are looked up first.
+inputs share an encoding. Longer suffixes are more specific and are looked up first. A name is the prefix and the
+MAC's first 16 bytes in unpadded base64url (27 bytes: Redis allocates it in a 32-byte class).
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import struct
 from collections.abc import Sequence
 
-KEY_VERSION = b"specmesh-draft-key-v1"
-DEFAULT_PREFIX = "specmesh:d:"
+KEY_VERSION = b"specmesh-draft-key-v2"          # v2: varint AES-SIV values (kvstore.codec)
+DEFAULT_PREFIX = "sm:d:"
+NAME_MAC_BYTES = 16
 
 
 def _field(data: bytes) -> bytes:
@@ -46,5 +50,5 @@ class KeyDeriver:
                 continue
             mac = scoped.copy()
             mac.update(_field(struct.pack(f"<{n}I", *context_ids[-n:])))
-            out.append(self.prefix + mac.hexdigest()[:32])
+            out.append(self.prefix + base64.urlsafe_b64encode(mac.digest()[:NAME_MAC_BYTES]).rstrip(b"=").decode())
         return out

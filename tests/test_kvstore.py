@@ -12,7 +12,9 @@ import pytest
 import pytest_asyncio
 import redis
 
-from kvstore.codec import ValueCodec, parse_aes_key
+from kvstore.codec import ValueCodec, pack_varints, parse_aes_key, unpack_varints
+from kvstore.derive import values_key
+from kvstore.factory import CacheSettings, open_cache
 from kvstore.keys import KeyDeriver
 from kvstore.memory import MemoryDraftCache
 from kvstore.redis_cache import RedisDraftCache
@@ -28,6 +30,10 @@ def deriver(secret: bytes = SECRET) -> KeyDeriver:
     return KeyDeriver(secret, "tiny-target", "tiny-target", (8, 4, 2))
 
 
+def codec(secret: bytes = SECRET) -> ValueCodec:
+    return ValueCodec(values_key(secret))
+
+
 @pytest.fixture(scope="module")
 def server():
     srv = RedisServer().start()
@@ -38,7 +44,7 @@ def server():
 @pytest_asyncio.fixture(loop_scope="session")
 async def cache(server):
     server.cli("flushall")
-    c = RedisDraftCache(server.url, deriver(), ValueCodec(), ttl_s=60, retry_after_s=0.2)
+    c = RedisDraftCache(server.url, deriver(), codec(), ttl_s=60, retry_after_s=0.2)
     yield c
     await c.close()
 
@@ -56,24 +62,45 @@ def test_keys_are_keyed_hashes_longest_first() -> None:
     assert keys != deriver(b"other").keys("tenant:a", CONTEXT)
     assert keys != deriver().keys("tenant:b", CONTEXT)
     for key in keys:
-        digest = key.removeprefix("specmesh:d:")
-        assert len(digest) == 32 and all(ch in "0123456789abcdef" for ch in digest)
+        digest = key.removeprefix("sm:d:")
+        assert len(key) == 27 and len(digest) == 22 and all(ch.isalnum() or ch in "-_" for ch in digest)
+
+
+def test_varints_round_trip_and_refusals() -> None:
+    ids = [0, 1, 127, 128, 16383, 16384, 151_935, 2**21 - 1, 2**32 - 1]
+    assert unpack_varints(pack_varints(ids), len(ids)) == ids
+    assert len(pack_varints([127, 16383, 2**21 - 1])) == 1 + 2 + 3
+    assert unpack_varints(pack_varints([5] * 17)) is None                     # more than 16 tokens
+    for bad in (b"", b"\x80", b"\x01\xff", b"\xff\xff\xff\xff\x7f", b"\xff" * 6):
+        assert unpack_varints(bad) is None                                    # empty, truncated, over 32 bits
+    with pytest.raises(ValueError):
+        pack_varints([-1])
 
 
 def test_codec_round_trip_and_refusals() -> None:
-    plain, sealed = ValueCodec(), ValueCodec(parse_aes_key(AES_KEY))
-    assert plain.decode("k", plain.encode("k", CONTINUATION)) == CONTINUATION
+    sealed = codec()
     blob = sealed.encode("k", CONTINUATION)
     assert sealed.decode("k", blob) == CONTINUATION
     assert blob == sealed.encode("k", CONTINUATION)                           # deterministic: counts add up
-    assert b"".join(t.to_bytes(4, "little") for t in CONTINUATION) not in blob
+    assert pack_varints(CONTINUATION) not in blob
+    assert len(blob) == 16 + len(pack_varints(CONTINUATION))
+    assert len(sealed.encode("k", [151_935] * 16)) <= 64                     # fits Redis' compact sorted set
     assert sealed.decode("other-key", blob) is None                           # bound to its key name
-    assert ValueCodec(os.urandom(32)).decode("k", blob) is None               # wrong key: authentication fails
-    assert sealed.decode("k", plain.encode("k", CONTINUATION)) is None        # no downgrade to plain values
-    for garbage in (b"", b"\x01", b"\x01abc", b"\x07" + bytes(8), b"\x01" + bytes(4 * 17), "text", 12, None):
-        assert plain.decode("k", garbage) is None and sealed.decode("k", garbage) is None
+    assert codec(b"other").decode("k", blob) is None                          # wrong key: authentication fails
+    assert sealed.decode("k", pack_varints(CONTINUATION)) is None             # no plain values
+    for garbage in (b"", b"\x01", b"\x01abc", bytes(17), bytes(80), "text", 12, None):
+        assert sealed.decode("k", garbage) is None
     with pytest.raises(ValueError):
         parse_aes_key("abcd")
+    with pytest.raises(ValueError):
+        ValueCodec(bytes(32))                                                  # AES-256-SIV takes 64 bytes
+
+
+def test_value_key_is_derived_from_the_secret_with_its_own_label() -> None:
+    from kvstore.derive import key_names_key
+    assert values_key(SECRET) == values_key(SECRET) != values_key(b"other")
+    assert values_key(SECRET)[:32] != key_names_key(SECRET)                   # distinct HKDF labels
+    assert values_key(SECRET, parse_aes_key(AES_KEY)) != values_key(SECRET)  # an explicit key wins
 
 
 async def test_memory_cache_hits_most_frequent_and_expires() -> None:
@@ -119,12 +146,13 @@ async def test_redis_bounds_continuations(cache, server) -> None:
     for key in store_keys(server):
         assert int(server.cli("zcard", key)) <= 4
         members = redis.Redis(port=server.port).zrange(key, 0, -1)
-        assert all(len(m) == 1 + 4 * 16 for m in members)                    # continuations capped at 16 tokens
+        assert all(len(m) == 16 + 16 for m in members)                       # continuations capped at 16 tokens
+        assert server.cli("object", "encoding", key).strip() == "listpack"   # compact: ~140 bytes a key
 
 
 async def test_redis_ttl_expiry(server) -> None:
     server.cli("flushall")
-    cache = RedisDraftCache(server.url, deriver(), ValueCodec(), ttl_s=1)
+    cache = RedisDraftCache(server.url, deriver(), codec(), ttl_s=1)
     cache.record("s", CONTEXT, CONTINUATION)
     await cache.flush()
     assert 0 < int(server.cli("ttl", store_keys(server)[0])) <= 1
@@ -145,7 +173,7 @@ async def test_redis_key_names_hide_tokens_and_text(cache, server) -> None:
     for token in [*CONTEXT, *text_ids, *CONTINUATION]:
         assert f":{token}" not in dump and f",{token}" not in dump
     assert "acme" not in dump and "password" not in dump and "tiny" not in dump
-    assert all(n.startswith("specmesh:d:") and len(n) == len("specmesh:d:") + 32 for n in names)
+    assert all(n.startswith("sm:d:") and len(n) == 27 for n in names)
 
 
 async def test_redis_tenant_isolation(cache) -> None:
@@ -157,17 +185,34 @@ async def test_redis_tenant_isolation(cache) -> None:
 
 async def test_redis_encryption_round_trip_and_wrong_key(server) -> None:
     server.cli("flushall")
-    sealed = RedisDraftCache(server.url, deriver(), ValueCodec(parse_aes_key(AES_KEY)), ttl_s=60)
+    sealed = RedisDraftCache(server.url, deriver(), codec(), ttl_s=60)
     sealed.record("s", CONTEXT, CONTINUATION)
     await sealed.flush()
     assert await sealed.lookup("s", CONTEXT, 16) == CONTINUATION
     raw = redis.Redis(port=server.port).zrange(store_keys(server)[0], 0, -1)[0]
-    assert b"".join(t.to_bytes(4, "little") for t in CONTINUATION) not in raw
-    for codec in (ValueCodec(os.urandom(32)), ValueCodec()):                  # wrong key, or no key: a miss
-        other = RedisDraftCache(server.url, deriver(), codec, ttl_s=60)
-        assert await other.lookup("s", CONTEXT, 16) == []
-        await other.close()
+    assert pack_varints(CONTINUATION) not in raw
+    other = RedisDraftCache(server.url, deriver(), ValueCodec(os.urandom(64)), ttl_s=60)   # wrong key: a miss
+    assert await other.lookup("s", CONTEXT, 16) == []
+    await other.close()
     await sealed.close()
+
+
+@pytest.mark.parametrize("explicit_key", ["", AES_KEY], ids=["secret-only", "explicit-key"])
+async def test_values_are_sealed_whenever_a_secret_is_set(server, explicit_key) -> None:
+    server.cli("flushall")
+    settings = CacheSettings(server.url, secret="shared-secret", encryption_key=explicit_key)
+    writer, reader = (open_cache(settings, "m", "t") for _ in range(2))       # two gateways, one secret
+    writer.record("s", CONTEXT, CONTINUATION)
+    await writer.flush()
+    client = redis.Redis(port=server.port)
+    members = [m for key in store_keys(server) for m in client.zrange(key, 0, -1)]
+    assert len(members) == 3 and all(pack_varints(CONTINUATION) not in m for m in members)
+    assert all(len(m) == 16 + len(pack_varints(CONTINUATION)) for m in members)
+    assert await reader.lookup("s", CONTEXT, 16) == CONTINUATION
+    other_key = open_cache(CacheSettings(server.url, secret="shared-secret", encryption_key="11" * 32), "m", "t")
+    assert await other_key.lookup("s", CONTEXT, 16) == []                      # same names, other value key
+    for cache in (writer, reader, other_key):
+        await cache.close()
 
 
 async def test_redis_garbage_is_a_miss(cache, server) -> None:
@@ -192,7 +237,7 @@ async def test_redis_garbage_is_a_miss(cache, server) -> None:
 
 async def test_redis_down_is_a_miss_and_recovers(server) -> None:
     server.cli("flushall")
-    cache = RedisDraftCache(server.url, deriver(), ValueCodec(), ttl_s=60, retry_after_s=0.2)
+    cache = RedisDraftCache(server.url, deriver(), codec(), ttl_s=60, retry_after_s=0.2)
     cache.record("s", CONTEXT, CONTINUATION)
     await cache.flush()
     server.kill()
@@ -241,7 +286,7 @@ async def test_redis_hung_is_a_fast_miss(cache, server) -> None:
 async def test_redis_cluster_client() -> None:
     node = RedisServer(cluster=True).start()
     try:
-        cache = RedisDraftCache(node.url.removesuffix("/0"), deriver(), ValueCodec(parse_aes_key(AES_KEY)),
+        cache = RedisDraftCache(node.url.removesuffix("/0"), deriver(), codec(),
                                 ttl_s=60, cluster=True)
         cache.record("s", CONTEXT, CONTINUATION)
         await cache.flush()

@@ -19,6 +19,7 @@ from gateway.ngram import propose_ngram
 from gateway.tiers import DraftTiers, TierSettings, tenant_from_metadata
 from gateway.validation import GenerationParams
 from kvstore.codec import ValueCodec
+from kvstore.derive import key_names_key, values_key
 from kvstore.keys import KeyDeriver
 from kvstore.memory import MemoryDraftCache
 from protos.specmesh.v1 import common_pb2, generate_pb2_grpc
@@ -163,8 +164,9 @@ async def test_only_verified_tokens_are_cached(stack) -> None:
     assert sum(r.num_drafted for r in model) > sum(r.num_accepted for r in model)   # rejected drafts existed
     await asyncio.sleep(0.2)
     context = stack["tokenizer"](prompt)["input_ids"] + want
-    start, deriver = len(context) - len(want), KeyDeriver(b"test-secret", "tiny-target", "tiny-target", (8,))
-    client, codec = redis.Redis(port=stack["store"].port), ValueCodec()
+    start = len(context) - len(want)
+    deriver = KeyDeriver(key_names_key(b"test-secret"), "tiny-target", "tiny-target", (8,))
+    client, codec = redis.Redis(port=stack["store"].port), ValueCodec(values_key(b"test-secret"))
     tails = [tuple(context[start + p - 8:start + p]) for p in range(len(want))]
     checked = 0
     for p in range(len(want)):
@@ -179,8 +181,8 @@ async def test_only_verified_tokens_are_cached(stack) -> None:
 
 def poison(store: RedisServer, vocab_size: int) -> int:
     """Puts wrong but decodable drafts on top of every cached key, and garbage beside them."""
-    client, codec, rng = redis.Redis(port=store.port), ValueCodec(), random.Random(7)
-    keys = client.keys("specmesh:d:*")
+    client, codec, rng = redis.Redis(port=store.port), ValueCodec(values_key(b"test-secret")), random.Random(7)
+    keys = client.keys("sm:d:*")
     for i, key in enumerate(keys):
         name = key.decode()
         if i % 10 == 9:
@@ -251,7 +253,7 @@ async def test_draft_service_catches_up_after_local_rounds(stack) -> None:
     ids, _ = await generate(stack["mixed"].addr, prompt, tenant="mix", max_new_tokens=max_new)
     await asyncio.sleep(0.2)
     context = stack["tokenizer"](prompt)["input_ids"] + want
-    deriver = KeyDeriver(b"mixed-secret", "tiny-target", "tiny-target", (8, 4, 2))
+    deriver = KeyDeriver(key_names_key(b"mixed-secret"), "tiny-target", "tiny-target", (8, 4, 2))
     start = len(context) - max_new
     gaps = [k for p in [*range(0, 20), *range(50, 70)] for k in deriver.keys("tenant:mix", context[:start + p])]
     assert redis.Redis(port=stack["store"].port).delete(*gaps) > 0       # forget two stretches of the answer
