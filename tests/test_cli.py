@@ -1,0 +1,263 @@
+"""The `specmesh` command line as a user meets it: one-line errors with exit codes, `up` that never claims a port it
+does not hold and prints every endpoint it opened, `models list / fetch` that say what is in the cache."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from specmesh import __version__, cli, client
+from specmesh.launcher import ChildOutput, StartError, port_is_free, wait_child_ready
+from specmesh.models import real_pair
+from specmesh.models.catalog import check_model_ref
+
+PROMPT = "def fibonacci(n):"
+
+
+def free_ports(count: int) -> list[int]:
+    socks = [socket.socket() for _ in range(count)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "specmesh.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def error_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, f"expected one error line, got:\n{stderr}"
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+def test_version() -> None:
+    result = run_cli("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"specmesh {__version__}"
+
+
+def _parsers(parser: argparse.ArgumentParser, name: str = "specmesh") -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _parsers(sub, f"{name} {sub_name}")
+
+
+def test_every_flag_of_every_subcommand_has_help() -> None:
+    missing = [f"{name}: {action.option_strings or action.dest}"
+               for name, parser in _parsers(cli.build_parser()) for action in parser._actions
+               if not isinstance(action, argparse._SubParsersAction) and not (action.help or "").strip()]
+    assert missing == []
+
+
+def test_up_help_names_the_env_vars() -> None:
+    text = run_cli("up", "--help").stdout
+    for flag, env in [("--port", "SPECMESH_GATEWAY_PORT"), ("--http-port", "SPECMESH_GATEWAY_HTTP_PORT"),
+                      ("--verifier-port", "SPECMESH_VERIFIER_PORT"), ("--draft-port", "SPECMESH_DRAFT_PORT"),
+                      ("--metrics-port", "SPECMESH_GATEWAY_METRICS_PORT"), ("--host", "SPECMESH_GATEWAY_HOST"),
+                      ("--trace-file", "SPECMESH_GATEWAY_TRACE_FILE"), ("--no-trace", "")]:
+        assert flag in text and env.replace("_", "") in text.replace("\n", "").replace(" ", "").replace("_", "")
+
+
+def test_generate_without_a_server_is_one_line_unavailable() -> None:
+    (port,) = free_ports(1)
+    result = run_cli("generate", "--addr", f"127.0.0.1:{port}", PROMPT, timeout=60)
+    assert result.returncode == 1
+    assert error_line(result.stderr) == (f"error: UNAVAILABLE: cannot reach the gateway at 127.0.0.1:{port} "
+                                         "(is 'specmesh up' running?)")
+
+
+def test_debug_shows_the_traceback() -> None:
+    (port,) = free_ports(1)
+    result = run_cli("--debug", "generate", "--addr", f"127.0.0.1:{port}", PROMPT, timeout=60)
+    assert result.returncode != 0 and "Traceback (most recent call last)" in result.stderr
+
+
+def test_unknown_model_reference_names_the_presets() -> None:
+    result = run_cli("up", "--target", "no-such-model", timeout=60)
+    assert result.returncode == 1
+    line = error_line(result.stderr)
+    assert "unknown model reference 'no-such-model'" in line
+    assert all(p in line for p in ("tiny-target", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"))
+
+
+def test_real_preset_not_fetched_says_to_fetch(tmp_path: Path) -> None:
+    result = run_cli("demo", "--preset", "tiny", "--target", "qwen2.5-coder-1.5b", PROMPT,
+                     env={"SPECMESH_CACHE_DIR": str(tmp_path)}, timeout=60)
+    assert result.returncode == 1
+    assert "is not fetched" in error_line(result.stderr) and "`specmesh models fetch`" in result.stderr
+    assert not (tmp_path / "gguf").exists()
+
+
+def test_missing_model_path_and_missing_trace_file(tmp_path: Path) -> None:
+    result = run_cli("up", "--draft", str(tmp_path / "nowhere"), timeout=60)
+    assert result.returncode == 1
+    assert error_line(result.stderr) == f"error: model path {tmp_path / 'nowhere'} does not exist"
+    result = run_cli("trace", "show", "--file", str(tmp_path / "spans.jsonl"), timeout=60)
+    assert result.returncode == 1 and "No such file or directory" in error_line(result.stderr)
+
+
+def test_up_refuses_a_held_verifier_port_before_starting_anything() -> None:
+    gateway_port, draft_port = free_ports(2)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        start = time.monotonic()
+        result = run_cli("up", "--preset", "tiny", "--port", str(gateway_port), "--draft-port", str(draft_port),
+                         "--verifier-port", str(port), timeout=60)
+        elapsed = time.monotonic() - start
+    assert result.returncode == 1
+    assert error_line(result.stderr) == (f"error: port {port} (verifier) is already in use on 127.0.0.1 "
+                                         "(stop what holds it, or choose another port with --verifier-port)")
+    assert "specmesh is up" not in result.stdout and "ready:" not in result.stdout
+    assert elapsed < 30  # no service was started (a tiny stack takes longer than this to come up)
+
+
+def _child(code: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+
+
+def test_a_child_must_print_its_own_ready_line_for_its_port() -> None:
+    proc = _child("import time; print('ready: specmesh.v1.Verifier on 127.0.0.1:1234', flush=True); time.sleep(30)")
+    try:
+        with pytest.raises(StartError, match="serving on port 1234, expected 4321"):
+            wait_child_ready("verifier", proc, ChildOutput(proc, echo=False), 4321, 20)
+    finally:
+        proc.kill()
+        proc.wait()
+    proc = _child("import sys; sys.exit(3)")
+    with pytest.raises(StartError, match=r"verifier \(pid \d+\) exited with code 3 before it was ready"):
+        wait_child_ready("verifier", proc, ChildOutput(proc, echo=False), 4321, 20)
+
+
+def test_finish_reasons_in_words() -> None:
+    words = [client.finish_reason_words(v) for v in range(1, 5)]
+    assert words == ["length", "stop", "stop string", "context full"]
+
+
+def _fake_converted(cache: Path, preset: str, size: int) -> Path:
+    out = real_pair.converted_dir(cache, preset)
+    out.mkdir(parents=True)
+    (out / "model.safetensors").write_bytes(b"\0" * size)
+    (out / real_pair.MARKER_NAME).write_text("done\n")
+    return out
+
+
+def test_models_list_and_fetch_say_what_is_in_the_cache(tmp_path: Path) -> None:
+    env = {"SPECMESH_CACHE_DIR": str(tmp_path)}
+    draft_dir = _fake_converted(tmp_path, "qwen2.5-coder-0.5b", 2_500_000)
+    listing = run_cli("models", "list", env=env).stdout.splitlines()
+    rows = {line.split()[0]: line for line in listing[1:-1]}
+    assert set(rows) == {"tiny-target", "tiny-draft", "tiny-draft-unrelated", "qwen2.5-coder-1.5b",
+                         "qwen2.5-coder-0.5b"}
+    assert rows["qwen2.5-coder-0.5b"].split()[1:5] == ["real", "fetched", "2.5", "MB"]
+    assert rows["qwen2.5-coder-0.5b"].endswith(str(draft_dir))
+    assert rows["qwen2.5-coder-1.5b"].split()[1:4] == ["real", "missing", "-"]
+    assert "run `specmesh models fetch`" in rows["qwen2.5-coder-1.5b"]
+    assert listing[-1].startswith(f"model cache: {tmp_path}")
+    target_dir = _fake_converted(tmp_path, "qwen2.5-coder-1.5b", 1000)
+    result = run_cli("models", "fetch", env=env)
+    assert result.returncode == 0
+    assert result.stdout.splitlines() == [f"already fetched: qwen2.5-coder-0.5b {draft_dir} (2.5 MB)",
+                                          f"already fetched: qwen2.5-coder-1.5b {target_dir} (1.0 KB)"]
+
+
+def test_check_model_ref_accepts_what_loads(tmp_path: Path) -> None:
+    check_model_ref("tiny-draft")
+    (tmp_path / "config.json").write_text("{}")
+    check_model_ref(str(tmp_path))
+
+
+# --------------------------------------------------------------------------- a real `specmesh up` (tiny models)
+
+
+def _read_until(proc: subprocess.Popen[str], marker: str, timeout_s: float) -> list[str]:
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"`specmesh up` ended early (code {proc.poll()}):\n{''.join(lines)}")
+        lines.append(line.rstrip("\n"))
+        if line.startswith(marker):
+            return lines
+    raise AssertionError(f"no {marker!r} line within {timeout_s} s:\n" + "\n".join(lines))
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[str], dict[str, int], Path]]:
+    names = ["port", "verifier-port", "draft-port", "http-port", "metrics-port"]
+    ports = dict(zip(names, free_ports(5), strict=True))
+    while not all(cli_port_free(ports["metrics-port"] + i) for i in range(3)):  # N, N+1, N+2 must be free
+        (ports["metrics-port"],) = free_ports(1)
+    trace_file = tmp_path_factory.mktemp("up") / "spans.jsonl"
+    args = [a for name, port in ports.items() for a in (f"--{name}", str(port))]
+    proc = subprocess.Popen([sys.executable, "-m", "specmesh.cli", "up", "--preset", "tiny", *args,
+                             "--trace-file", str(trace_file)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    try:
+        yield proc, ports, trace_file
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def cli_port_free(port: int) -> bool:
+    return port_is_free("127.0.0.1", port)
+
+
+def test_up_prints_every_endpoint_serves_and_stops_on_sigint(up, capsys: pytest.CaptureFixture[str]) -> None:
+    proc, ports, trace_file = up
+    lines = _read_until(proc, "try: specmesh generate", timeout_s=600)
+    text = "\n".join(lines)
+    m = ports["metrics-port"]
+    expected = {"gateway gRPC:": f"127.0.0.1:{ports['port']}", "verifier gRPC:": f"127.0.0.1:{ports['verifier-port']}",
+                "draft gRPC:": f"127.0.0.1:{ports['draft-port']}",
+                "OpenAI-compatible HTTP:": f"http://127.0.0.1:{ports['http-port']}/v1",
+                "gateway metrics:": f"http://127.0.0.1:{m}/metrics",
+                "verifier metrics:": f"http://127.0.0.1:{m + 1}/metrics",
+                "draft metrics:": f"http://127.0.0.1:{m + 2}/metrics", "trace file:": str(trace_file)}
+    for what, where in expected.items():
+        assert any(line.strip().startswith(what) and where in line.split() for line in lines), (what, text)
+    assert "specmesh is up" in text
+    for port in (m, m + 1, m + 2):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            assert b"specmesh_" in reply.read()
+    with urllib.request.urlopen(f"http://127.0.0.1:{ports['http-port']}/v1/models", timeout=10) as reply:
+        assert json.loads(reply.read())["data"]
+
+    addr = f"127.0.0.1:{ports['port']}"
+    assert cli.main(["generate", "--addr", addr, "--max-new-tokens", "8", "--ignore-eos", PROMPT]) == 0
+    captured = capsys.readouterr()
+    assert captured.out and "8 tokens" in captured.err and "finish length," in captured.err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "--addr", addr, "--temperature", "-1", PROMPT])
+    assert exit_info.value.code == 1
+    line = error_line(capsys.readouterr().err)
+    assert line.startswith("error: INVALID_ARGUMENT: ") and "temperature" in line
+
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "specmesh stopped" in out
+    assert trace_file.is_file() and trace_file.stat().st_size > 0
+    assert all(cli_port_free(p) for p in (ports["port"], ports["verifier-port"], ports["draft-port"]))
