@@ -9,7 +9,7 @@ from specmesh.config import DraftConfig
 from specmesh.engine.build import build_engine_parts
 from specmesh.grpc_server import ServiceServer
 from specmesh.leases import SessionLeases, reap_forever
-from specmesh.security import server_credentials
+from specmesh.security import peer_interceptors, server_credentials
 from specmesh.telemetry.metrics import SessionMetrics, start_metrics
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
@@ -25,7 +25,7 @@ def build_draft(config: DraftConfig) -> tuple[ServiceServer, DraftEngine]:
     servicer = DraftServicer(engine, parts.loaded.model.config.vocab_size, config.max_draft_tokens,
                              config.max_q_entries, leases)
     server = ServiceServer([SERVICE_NAME], lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s),
-                           credentials)
+                           credentials, peer_interceptors(config.tls))
     server.metrics = start_metrics(config.telemetry, config.host, engine.metrics.registry)
     expired = SessionMetrics(engine.metrics.registry).expired
     server.background.append(lambda: reap_forever(leases, engine.end_session, expired.inc))

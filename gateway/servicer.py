@@ -19,7 +19,7 @@ from gateway.drafters import ModelDrafter
 from gateway.request_telemetry import RequestTelemetry
 from gateway.round_loop import Generation, RoundOutput
 from gateway.text_stream import TextStream
-from gateway.tiers import DraftTiers, tenant_from_metadata
+from gateway.tiers import DraftTiers
 from gateway.validation import GenerationParams, validate_request
 from protos.specmesh.v1 import common_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, verifier_pb2_grpc
 from specmesh.config import GatewayConfig
@@ -115,7 +115,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             drafter = ModelDrafter(self.draft, session_id, params.sampling,
                                    min(self.config.draft_timeout_s, verifier_timeout))
         if self.tiers is not None and params.num_draft_tokens > 0:
-            drafter = self.tiers.drafter(params, drafter, tenant_from_metadata(context.invocation_metadata()))
+            drafter = self.tiers.drafter(params, drafter, self.tiers.tenant(context.invocation_metadata()))
         first = next(self._next_replica) % len(self.verifiers)
         order = self.verifiers[first:] + self.verifiers[:first]
         draft_length = None

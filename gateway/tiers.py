@@ -8,7 +8,7 @@ token since the last sync, so it catches up. Verified output tokens are written 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.drafters import NO_DRAFT, Draft, ModelDrafter
@@ -21,9 +21,9 @@ from kvstore.base import MAX_CONTINUATION_TOKENS, DraftCache
 from kvstore.factory import parse_lens
 from protos.specmesh.v1 import common_pb2
 from specmesh.config import GatewayConfig
+from specmesh.security import TENANT_HEADER, ApiKeys, Denied, Metadata, load_api_keys, tenant_of
 
-TENANT_HEADER = "x-specmesh-tenant"
-DEFAULT_TENANT = "default"
+__all__ = ["TENANT_HEADER", "DraftTiers", "TierSettings", "build_tiers", "tenant_from_metadata"]
 CACHE = common_pb2.DRAFT_SOURCE_CACHE
 NGRAM = common_pb2.DRAFT_SOURCE_NGRAM
 
@@ -49,28 +49,33 @@ def build_tiers(config: GatewayConfig, model: str, tokenizer: str, vocab_size: i
         cache = open_cache(CacheSettings(config.redis_url, config.redis_cluster, config.cache_secret,
                                          config.cache_encryption_key, config.cache_ttl_s, suffix_lens,
                                          read_timeout_s=config.cache_read_timeout_s), model, tokenizer)
-    return DraftTiers(settings, cache)
+    return DraftTiers(settings, cache, load_api_keys(config))
 
 
-def tenant_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
-    for key, value in metadata or ():
-        if key.lower() == TENANT_HEADER:
-            text = value.decode(errors="replace") if isinstance(value, bytes) else value
-            return text or DEFAULT_TENANT
-    return DEFAULT_TENANT
+def tenant_from_metadata(metadata: Metadata, keys: ApiKeys | None = None) -> str | None:
+    """The request's tenant (specmesh.security.resolve_tenant); None when the call would be refused. The API-key
+    interceptor refuses such calls before they get here, with the same keys."""
+    tenant = tenant_of(keys or {}, metadata)
+    return None if isinstance(tenant, Denied) else tenant
 
 
 class DraftTiers:
     """Gateway-wide: the cache, the settings and the counters; makes one `TieredDrafter` per generation."""
 
-    def __init__(self, settings: TierSettings, cache: DraftCache | None) -> None:
+    def __init__(self, settings: TierSettings, cache: DraftCache | None, api_keys: ApiKeys | None = None) -> None:
         self.settings = settings
         self.cache = cache
+        self.api_keys = api_keys or {}             # key -> tenant: an authenticated request's scope is its key's
         self.stats = DraftingStats()
 
-    def drafter(self, params: GenerationParams, model: ModelDrafter | None, tenant: str) -> TieredDrafter:
+    def tenant(self, metadata: Metadata) -> str | None:
+        return tenant_from_metadata(metadata, self.api_keys)
+
+    def drafter(self, params: GenerationParams, model: ModelDrafter | None, tenant: str | None) -> TieredDrafter:
+        """tenant None (unresolved: no cache) is unreachable behind the API-key interceptor; kept safe anyway."""
         scope = "shared" if self.settings.shared_scope else f"tenant:{tenant}"
-        return TieredDrafter(self, params.prompt_ids, params.max_new_tokens, scope, model)
+        cache = self.cache if tenant is not None or self.settings.shared_scope else None
+        return TieredDrafter(self, params.prompt_ids, params.max_new_tokens, scope, model, cache)
 
     def snapshot(self) -> dict[str, int]:
         """Tier counters, draft-link bytes and the cache's own counters (`cache_store_*`), as plain ints."""
@@ -86,8 +91,9 @@ class DraftTiers:
 
 class TieredDrafter:
     def __init__(self, tiers: DraftTiers, prompt_ids: list[int], max_new_tokens: int, scope: str,
-                 model: ModelDrafter | None) -> None:
+                 model: ModelDrafter | None, cache: DraftCache | None) -> None:
         self.tiers = tiers
+        self.cache = cache
         self.settings = tiers.settings
         self.prompt_ids = prompt_ids
         self.max_new_tokens = max_new_tokens
@@ -114,9 +120,9 @@ class TieredDrafter:
         room = max(self.max_new_tokens - (len(context_ids) - len(self.prompt_ids)) - 1, 0)
         if room <= 0:
             return NO_DRAFT
-        if self.tiers.cache is not None:
+        if self.cache is not None:
             with cache_lookup_span() as span:
-                ids = self._valid(await self.tiers.cache.lookup(self.scope, context_ids, min(room, self._caps[CACHE])))
+                ids = self._valid(await self.cache.lookup(self.scope, context_ids, min(room, self._caps[CACHE])))
                 span.set_attribute("specmesh.cache.draft_tokens", len(ids))
             if draft := self._count(CACHE, ids):
                 return draft
@@ -177,7 +183,7 @@ class TieredDrafter:
 
     def _record(self, upto: int) -> None:
         """Writes the verified continuation after each output position < upto to the cache."""
-        cache, out = self.tiers.cache, self.output_ids
+        cache, out = self.cache, self.output_ids
         if cache is None:
             return
         tail, prompt = self.settings.context_tail, self.prompt_ids

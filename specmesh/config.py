@@ -32,6 +32,7 @@ class TlsConfig:
     tls_ca: str = ""                   # CA of the specmesh services this one calls; "" = plaintext to them
     tls_client_cert: str = ""          # certificate this service presents to them (mutual TLS)
     tls_client_key: str = ""
+    tls_allowed_peers: str = ""        # verifier, draft: comma-separated CN/SAN names allowed to call (e.g. "gateway")
 
 
 @dataclass(frozen=True)
@@ -79,8 +80,8 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     http_port: int = 0                     # OpenAI-compatible HTTP API (gateway/openai_http.py); 0 = off
-    api_keys: str = ""                     # comma-separated keys for `authorization: Bearer <key>`; "" = open
-    api_keys_file: str = ""                # file with one API key per line (e.g. a mounted secret)
+    api_keys: str = ""                     # comma-separated KEY or KEY:TENANT for `authorization: Bearer`; "" = open
+    api_keys_file: str = ""                # file with one KEY or KEY:TENANT per line (e.g. a mounted secret)
     verifier_addr: str = "127.0.0.1:50061"  # comma-separated replicas: a session starts on the first that takes it
     draft_addr: str = "127.0.0.1:50062"   # "" = no draft service (target-only)
     tokenizer: str = ""                    # model reference for the tokenizer; "" = the verifier's model
@@ -100,7 +101,7 @@ class GatewayConfig:
     redis_url: str = ""                    # e.g. redis://redis:6379/0; "" = in-process cache
     redis_cluster: bool = False            # redis_url names a Redis Cluster node
     cache_secret: str = ""                 # HMAC key for cache key names; "" = random per process (no sharing)
-    cache_encryption_key: str = ""         # AES-GCM key (hex or base64) for cached values at rest; "" = plain
+    cache_encryption_key: str = ""         # key (hex or base64) sealing Redis values; "" = derived from the secret
     cache_scope: str = "tenant"            # "tenant" (x-specmesh-tenant metadata) or "shared" (opt-in)
     cache_ttl_s: float = 86_400.0
     cache_suffix_lens: str = "8,4,2"       # context suffix lengths keyed, longest looked up first

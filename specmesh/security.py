@@ -1,14 +1,23 @@
-"""Transport security and API keys: gRPC TLS / mutual-TLS credentials from TlsConfig, and the public API's
-`authorization: Bearer <key>` check.
+"""Transport security, peer identity, API keys and tenants.
 
-A call to the public Generation service without a bearer key gets UNAUTHENTICATED; one with a key that is not
-configured gets PERMISSION_DENIED. Health and reflection stay open (orchestrator probes, grpcurl list).
+- gRPC TLS / mutual-TLS credentials from TlsConfig; on the internal services, `tls_allowed_peers` names the client
+  certificates (CN or SAN) that may call them (PeerIdentityInterceptor), so an end-user certificate is refused.
+- The public API's `authorization: Bearer <key>`: no bearer key -> UNAUTHENTICATED, a key that is not configured ->
+  PERMISSION_DENIED.
+- Tenants (the draft cache's scope): `resolve_tenant` is the one rule, shared by the gRPC API and the HTTP API. A key
+  entry `KEY:TENANT` binds the key to TENANT; a plain `KEY` gets a tenant of its own, `key-` + 16 hex digits of
+  SHA-256(KEY). With keys configured an `x-specmesh-tenant` header may only repeat the key's tenant (anything else
+  is PERMISSION_DENIED); without keys the header names the tenant ("default" when absent).
+Health and reflection stay open (orchestrator probes, grpcurl list).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
-from collections.abc import Awaitable, Callable
+import inspect
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -16,6 +25,21 @@ import grpc
 from specmesh.config import GatewayConfig, TlsConfig
 
 PUBLIC_METHOD_PREFIX = "/specmesh.v1.Generation/"
+OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+TENANT_HEADER = "x-specmesh-tenant"
+DEFAULT_TENANT = "default"
+PEER_NAME_PROPERTIES = ("x509_common_name", "x509_subject_alternative_name")
+
+Metadata = Iterable[tuple[str, str | bytes]] | None
+ApiKeys = Mapping[str, str]            # key -> the tenant it is bound to ("" = none: its own hashed tenant)
+
+
+@dataclass(frozen=True)
+class Denied:
+    """Why a call is refused: a status code and a message that names no secret."""
+
+    code: grpc.StatusCode
+    message: str
 
 
 def _read(path: str, what: str) -> bytes:
@@ -50,11 +74,69 @@ def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials | None:
         certificate_chain=_read(tls.tls_client_cert, "tls_client_cert") if tls.tls_client_cert else None)
 
 
-def load_api_keys(config: GatewayConfig) -> frozenset[str]:
-    keys = [k.strip() for k in config.api_keys.split(",")]
+def parse_api_keys(entries: Iterable[str]) -> dict[str, str]:
+    """`KEY` or `KEY:TENANT` entries (blank and `#` lines skipped) -> {key: tenant or ""}. Keys cannot hold ':'."""
+    keys: dict[str, str] = {}
+    for number, entry in enumerate(entries, 1):
+        entry = entry.strip()
+        if not entry or entry.startswith("#"):
+            continue
+        key, sep, tenant = (part.strip() for part in entry.partition(":"))
+        if not key or (sep and not tenant):
+            raise ValueError(f"API key entry {number}: expected KEY or KEY:TENANT")
+        if keys.get(key, tenant) != tenant:
+            raise ValueError(f"API key entry {number}: the key is already bound to another tenant")
+        keys[key] = tenant
+    return keys
+
+
+def load_api_keys(config: GatewayConfig) -> dict[str, str]:
+    entries = config.api_keys.split(",")
     if config.api_keys_file:
-        keys += [line.strip() for line in _read(config.api_keys_file, "api_keys_file").decode().splitlines()]
-    return frozenset(k for k in keys if k and not k.startswith("#"))
+        entries += _read(config.api_keys_file, "api_keys_file").decode().splitlines()
+    return parse_api_keys(entries)
+
+
+def unbound_key_tenant(key: str) -> str:
+    """The tenant of a key configured without one: private to that key, and not the key itself."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def metadata_value(metadata: Metadata, name: str) -> str | None:
+    for key, value in metadata or ():
+        if key.lower() == name:
+            return value.decode(errors="replace") if isinstance(value, bytes) else value
+    return None
+
+
+def _matching_key(keys: ApiKeys, presented: str) -> str | None:
+    """The configured key equal to presented; compares against every key in constant time."""
+    found = None
+    for key in keys:
+        if hmac.compare_digest(presented.encode(), key.encode()):
+            found = key
+    return found
+
+
+def resolve_tenant(keys: ApiKeys, authorization: str | None, tenant_header: str | None) -> str | Denied:
+    """The caller's tenant, or why the call is refused (see the module docstring for the rule)."""
+    header = (tenant_header or "").strip()
+    if not keys:
+        return header or DEFAULT_TENANT
+    scheme, _, presented = (authorization or "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not presented.strip():
+        return Denied(grpc.StatusCode.UNAUTHENTICATED, "missing API key: send metadata 'authorization: Bearer <key>'")
+    key = _matching_key(keys, presented.strip())
+    if key is None:
+        return Denied(grpc.StatusCode.PERMISSION_DENIED, "API key not accepted")
+    tenant = keys[key] or unbound_key_tenant(key)
+    if header and header != tenant:
+        return Denied(grpc.StatusCode.PERMISSION_DENIED, f"this API key may not act for tenant {header!r}")
+    return tenant
+
+
+def tenant_of(keys: ApiKeys, metadata: Metadata) -> str | Denied:
+    return resolve_tenant(keys, metadata_value(metadata, "authorization"), metadata_value(metadata, TENANT_HEADER))
 
 
 def _denied(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
@@ -66,32 +148,27 @@ def _denied(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str)
         await context.abort(code, message)
         yield  # pragma: no cover - abort raises
 
+    return _same_shape(handler, unary, stream)
+
+
+def _same_shape(handler: grpc.RpcMethodHandler, unary: Callable, stream: Callable) -> grpc.RpcMethodHandler:
     kinds = {"unary_unary": (grpc.unary_unary_rpc_method_handler, unary),
              "unary_stream": (grpc.unary_stream_rpc_method_handler, stream)}
     for kind, (make, fn) in kinds.items():
         if getattr(handler, kind) is not None:
             return make(fn, request_deserializer=handler.request_deserializer,
                         response_serializer=handler.response_serializer)
-    raise TypeError(f"API keys cannot guard a {handler} method")
+    raise TypeError(f"cannot guard a {handler} method")
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Checks `authorization: Bearer <key>` on the public API's methods (constant-time comparison)."""
+    """Checks `authorization: Bearer <key>` and the tenant header on the public API's methods (`resolve_tenant`)."""
 
-    def __init__(self, keys: frozenset[str], prefix: str = PUBLIC_METHOD_PREFIX) -> None:
+    def __init__(self, keys: ApiKeys, prefix: str = PUBLIC_METHOD_PREFIX) -> None:
         if not keys:
             raise ValueError("ApiKeyInterceptor needs at least one key")
         self.keys = keys
         self.prefix = prefix
-
-    def _verdict(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> tuple[grpc.StatusCode, str] | None:
-        header = next((str(v) for k, v in metadata or () if k == "authorization"), "")
-        scheme, _, key = header.strip().partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            return grpc.StatusCode.UNAUTHENTICATED, "missing API key: send metadata 'authorization: Bearer <key>'"
-        if not any(hmac.compare_digest(key.strip().encode(), k.encode()) for k in self.keys):
-            return grpc.StatusCode.PERMISSION_DENIED, "API key not accepted"
-        return None
 
     async def intercept_service(
             self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -99,10 +176,67 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or not details.method.startswith(self.prefix):
             return handler
-        verdict = self._verdict(details.invocation_metadata)
-        return handler if verdict is None else _denied(handler, *verdict)
+        verdict = tenant_of(self.keys, details.invocation_metadata)
+        return _denied(handler, verdict.code, verdict.message) if isinstance(verdict, Denied) else handler
 
 
 def api_key_interceptors(config: GatewayConfig) -> list[grpc.aio.ServerInterceptor]:
     keys = load_api_keys(config)
     return [ApiKeyInterceptor(keys)] if keys else []
+
+
+def parse_peer_names(text: str) -> frozenset[str]:
+    return frozenset(name.strip() for name in text.split(",") if name.strip())
+
+
+def peer_names(auth_context: Mapping[str, Iterable[bytes]]) -> set[str]:
+    """The CN and SAN names of the verified client certificate (empty without mutual TLS)."""
+    return {value.decode(errors="replace") for prop in PEER_NAME_PROPERTIES for value in auth_context.get(prop, ())}
+
+
+class PeerIdentityInterceptor(grpc.aio.ServerInterceptor):
+    """Lets only callers whose client certificate names one of `allowed` (CN or SAN) reach the service's methods;
+    others get PERMISSION_DENIED. Health and reflection stay open. Needs mutual TLS (tls_client_ca)."""
+
+    def __init__(self, allowed: frozenset[str]) -> None:
+        if not allowed:
+            raise ValueError("PeerIdentityInterceptor needs at least one allowed name")
+        self.allowed = allowed
+
+    def _check(self, context: grpc.aio.ServicerContext) -> Denied | None:
+        if peer_names(context.auth_context()) & self.allowed:
+            return None
+        return Denied(grpc.StatusCode.PERMISSION_DENIED, "this client certificate may not call this service")
+
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+            details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_METHOD_PREFIXES):
+            return handler
+        return self._guarded(handler)
+
+    def _guarded(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        async def unary(request: object, context: grpc.aio.ServicerContext) -> object:
+            if denied := self._check(context):
+                await context.abort(denied.code, denied.message)
+            result = handler.unary_unary(request, context)
+            return await result if inspect.isawaitable(result) else result
+
+        async def stream(request: object, context: grpc.aio.ServicerContext):  # noqa: ANN202 (async generator)
+            if denied := self._check(context):
+                await context.abort(denied.code, denied.message)
+            async for response in handler.unary_stream(request, context):
+                yield response
+
+        return _same_shape(handler, unary, stream)
+
+
+def peer_interceptors(tls: TlsConfig) -> list[grpc.aio.ServerInterceptor]:
+    """The peer-identity check when `tls_allowed_peers` is set (which needs mutual TLS)."""
+    allowed = parse_peer_names(tls.tls_allowed_peers)
+    if not allowed:
+        return []
+    if not (tls.tls_cert and tls.tls_client_ca):
+        raise ValueError("tls_allowed_peers needs mutual TLS: set tls_cert, tls_key and tls_client_ca")
+    return [PeerIdentityInterceptor(allowed)]

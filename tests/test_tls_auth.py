@@ -1,5 +1,5 @@
-"""TLS on every gRPC hop with deploy/make_certs.sh certificates, mutual TLS to the internal services, and API keys
-on the public API (gRPC and the OpenAI-compatible HTTP API)."""
+"""TLS on every gRPC hop with deploy/make_certs.sh certificates, mutual TLS to the internal services (which only the
+gateway's identity may call), and API keys on the public API (gRPC and the OpenAI-compatible HTTP API)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from draft_service.server import build_draft
 from gateway.openai_http import ServedModel, loopback_channel_factory, start_openai_http
 from gateway.server import build_gateway
-from protos.specmesh.v1 import generate_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from protos.specmesh.v1 import common_pb2, draft_pb2_grpc, generate_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specmesh import client
 from specmesh.config import DraftConfig, EngineConfig, GatewayConfig, TlsConfig, VerifierConfig
 from tests.test_node_client import ensure_node_client, run_node
@@ -32,18 +32,20 @@ REQUEST = client.make_request("The quick brown fox", max_new_tokens=8, ignore_eo
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Two independent local CAs: `good` signs every service, `other` is the wrong CA."""
+    """Two runs of make_certs.sh: `good` signs every service (and its client CA the client), `other` is wrong."""
     dirs = {name: tmp_path_factory.mktemp(f"certs-{name}") for name in ("good", "other")}
     for d in dirs.values():
         subprocess.run(["bash", str(MAKE_CERTS), "--out", str(d)], check=True, capture_output=True, timeout=60)
     return dirs
 
 
-def service_tls(d: Path, name: str, mutual: bool) -> TlsConfig:
-    """Serves with <name>.pem; requires client certificates when mutual; calls others with ca.pem + its cert."""
+def service_tls(d: Path, name: str, mutual: bool, client_ca: str = "ca.pem") -> TlsConfig:
+    """Serves with <name>.pem; when mutual, requires client certificates from client_ca and lets only the gateway
+    call; calls others with ca.pem + its cert (the documented secure deployment)."""
     return TlsConfig(tls_cert=str(d / f"{name}.pem"), tls_key=str(d / f"{name}.key"),
-                     tls_client_ca=str(d / "ca.pem") if mutual else "", tls_ca=str(d / "ca.pem"),
-                     tls_client_cert=str(d / f"{name}.pem"), tls_client_key=str(d / f"{name}.key"))
+                     tls_client_ca=str(d / client_ca) if mutual else "", tls_ca=str(d / "ca.pem"),
+                     tls_client_cert=str(d / f"{name}.pem"), tls_client_key=str(d / f"{name}.key"),
+                     tls_allowed_peers="gateway" if mutual else "")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -55,6 +57,10 @@ async def stack(certs):
     draft, d_engine = build_draft(DraftConfig(port=0, engine=EngineConfig(model="tiny-draft", kv_cache_memory_mb=16),
                                               tls=service_tls(good, "draft", True)))
     d_port = await draft.start("127.0.0.1", 0)
+    (good / "both-cas.pem").write_bytes((good / "ca.pem").read_bytes() + (good / "client-ca.pem").read_bytes())
+    lax, lax_engine = build_draft(DraftConfig(port=0, engine=EngineConfig(model="tiny-draft", kv_cache_memory_mb=16),
+                                              tls=service_tls(good, "draft", True, client_ca="both-cas.pem")))
+    lax_port = await lax.start("127.0.0.1", 0)               # trusts the client CA too: only the name check is left
     config = GatewayConfig(port=0, verifier_addr=f"127.0.0.1:{v_port}", draft_addr=f"127.0.0.1:{d_port}",
                            enable_cache=False, enable_ngram=False, api_keys="key-1, key-2",
                            tls=service_tls(good, "gateway", False))
@@ -62,12 +68,13 @@ async def stack(certs):
     g_port = await gateway.start("127.0.0.1", 0)
     http = await start_openai_http(ServedModel("tiny-target", 1024, 0), "127.0.0.1", 0,
                                    lambda: f"127.0.0.1:{g_port}", loopback_channel_factory(config))
-    yield {"gateway": f"127.0.0.1:{g_port}", "verifier": f"127.0.0.1:{v_port}", "http": http.port}
+    yield {"gateway": f"127.0.0.1:{g_port}", "verifier": f"127.0.0.1:{v_port}", "draft": f"127.0.0.1:{d_port}",
+           "lax-draft": f"127.0.0.1:{lax_port}", "http": http.port}
     await http.close()
-    for server in (gateway, draft, verifier):
+    for server in (gateway, lax, draft, verifier):
         await server.stop(0)
-    v_engine.stop()
-    d_engine.stop()
+    for engine_ in (v_engine, d_engine, lax_engine):
+        engine_.stop()
 
 
 def tls_channel(addr: str, ca: Path | None, cert_dir: Path | None = None, name: str = "client") -> grpc.aio.Channel:
@@ -97,18 +104,51 @@ async def test_wrong_ca_or_plaintext_fails_the_handshake(stack, certs, ca) -> No
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-@pytest.mark.parametrize(("cert_dir", "ok"), [("good", True), (None, False), ("other", False)],
-                         ids=["good-client-cert", "no-client-cert", "client-cert-from-wrong-ca"])
-async def test_internal_service_requires_a_client_certificate(stack, certs, cert_dir, ok) -> None:
-    channel = tls_channel(stack["verifier"], certs["good"] / "ca.pem", certs[cert_dir] if cert_dir else None)
+async def internal_call(stack: dict, service: str, certs: dict[str, Path], cert_dir: str | None,
+                        name: str) -> str:
+    """Calls a verifier (GetModelInfo) or draft service (EndSession of no session) with <cert_dir>/<name>.pem:
+    "served" (the service answered, an error of its own included), "no handshake" or "wrong identity"."""
+    channel = tls_channel(stack[service], certs["good"] / "ca.pem", certs[cert_dir] if cert_dir else None, name)
     async with channel:
-        call = verifier_pb2_grpc.VerifierStub(channel).GetModelInfo(verifier_pb2.GetModelInfoRequest(), timeout=10)
-        if ok:
-            assert (await call).model_name == "tiny-target"
-        else:
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await call
-            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        try:
+            if service == "verifier":
+                info = await verifier_pb2_grpc.VerifierStub(channel).GetModelInfo(verifier_pb2.GetModelInfoRequest(),
+                                                                                  timeout=10)
+                assert info.model_name == "tiny-target"
+            else:
+                await draft_pb2_grpc.DraftStub(channel).EndSession(common_pb2.EndSessionRequest(session_id="none"),
+                                                                   timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                return "no handshake"
+            if exc.code() == grpc.StatusCode.PERMISSION_DENIED and "client certificate" in (exc.details() or ""):
+                return "wrong identity"
+    return "served"
+
+
+CALLERS = {"gateway-cert": ("good", "gateway", "served"),
+           "end-user-client-cert": ("good", "client", "no handshake"),          # signed by the client CA
+           "other-internal-cert": ("good", "draft", "wrong identity"),          # the internal CA, but not the gateway
+           "no-client-cert": (None, "client", "no handshake"),
+           "cert-from-wrong-ca": ("other", "gateway", "no handshake")}
+
+
+@pytest.mark.parametrize("service", ["verifier", "draft"])
+@pytest.mark.parametrize("caller", list(CALLERS))
+async def test_internal_services_accept_only_the_gateway(stack, certs, service, caller) -> None:
+    cert_dir, name, outcome = CALLERS[caller]
+    assert await internal_call(stack, service, certs, cert_dir, name) == outcome
+
+
+@pytest.mark.parametrize(("name", "outcome"), [("gateway", "served"), ("client", "wrong identity")])
+async def test_peer_names_are_checked_even_when_the_client_ca_is_trusted(stack, certs, name, outcome) -> None:
+    assert await internal_call(stack, "lax-draft", certs, "good", name) == outcome
+
+
+async def test_health_of_internal_services_stays_open_to_their_own_certificate(stack, certs) -> None:
+    async with tls_channel(stack["verifier"], certs["good"] / "ca.pem", certs["good"], "verifier") as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING          # the compose health check's identity
 
 
 @pytest.mark.parametrize(("key", "code"), [(None, grpc.StatusCode.UNAUTHENTICATED),

@@ -9,7 +9,7 @@ from specmesh.config import VerifierConfig
 from specmesh.engine.build import build_engine_parts
 from specmesh.grpc_server import ServiceServer
 from specmesh.leases import SessionLeases, reap_forever
-from specmesh.security import server_credentials
+from specmesh.security import peer_interceptors, server_credentials
 from specmesh.telemetry.metrics import SessionMetrics, start_metrics
 from verifier_service.engine import VerifierEngine
 from verifier_service.servicer import VerifierServicer
@@ -27,7 +27,8 @@ def build_verifier(config: VerifierConfig) -> tuple[ServiceServer, VerifierEngin
     servicer = VerifierServicer(engine, parts.loaded.name, parts.loaded.model.config.vocab_size,
                                 parts.loaded.eos_token_ids, leases, config.max_draft_tokens)
     server = ServiceServer([SERVICE_NAME],
-                           lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), credentials)
+                           lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), credentials,
+                           peer_interceptors(config.tls))
     server.metrics = start_metrics(config.telemetry, config.host, engine.metrics.registry)
     server.drain = lambda: drain_sessions(engine)
     expired = SessionMetrics(engine.metrics.registry).expired
