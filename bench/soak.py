@@ -1,184 +1,167 @@
-"""Soak test (a script, not a CI test): concurrent streams with random cancellations while the draft service and
-Redis are restarted, for a fixed time. At the end: leaked KV blocks and sessions, RSS growth, errors by code.
+"""Soak test (a script, not a CI test): mixed real traffic while the draft service, Redis and the gateway are
+SIGKILLed and restarted at random, for a fixed time.
 
-    python bench/soak.py --duration-s 1800 --streams 8          # the 30-minute run reported in the notes
-    python bench/soak.py --duration-s 60 --streams 4            # a quick check
+    timeout 300 .venv/bin/python bench/soak.py --preset tiny --duration-s 60 --streams 4          # quick check
+    .venv/bin/python bench/soak.py --preset tiny --duration-s 1200 --streams 8                     # 20 min
+    .venv/bin/python bench/soak.py --preset qwen --duration-s 600 --streams 4 \\
+        --env SPECMESH_VERIFIER_DTYPE=int8 --env SPECMESH_DRAFT_DTYPE=int8                          # real pair
+
+Every service is its own process on free ports (verifier, draft service, gateway, redis-server), /metrics on each.
+Traffic (bench/soak_traffic.py): --streams concurrent clients, prompts whose length + max_new_tokens is within a few
+tokens of --max-model-len (prefills chunked at --max-num-batched-tokens) beside short prompts; greedy and sampled;
+num_draft_tokens 0..8; client cancels; short deadlines; two fixed greedy prompts re-asked that must give the same
+tokens every time. Sessions left by a killed gateway are reclaimed by the session lease (--lease-s, passed as
+SPECMESH_{VERIFIER,DRAFT}_SESSION_LEASE_S; ignored by services that have no lease).
+
+At the end traffic stops, the script waits until nothing is held (at most lease + --margin-s), then reports outcomes
+by status code (INTERNAL/UNKNOWN must be zero), greedy checks, KV blocks and sessions still held on the verifier
+(GetModelInfo) and the draft service (/metrics), RSS per service, Redis used_memory and kills per service; writes
+bench/results/soak-<preset>-<timestamp>.json. Exit code 1 on any INTERNAL/UNKNOWN, leak or greedy difference.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import json
-import random
 import shutil
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
-
-import grpc
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from protos.specmesh.v1 import generate_pb2_grpc, verifier_pb2, verifier_pb2_grpc  # noqa: E402
-from specmesh import client  # noqa: E402
-from specmesh.launcher import PRESETS, Stack, StackConfig  # noqa: E402
+from bench.common import log, parse_env, result_paths, run_metadata  # noqa: E402
+from bench.soak_report import GreedyChecks, Outcome, format_table, metric_value, rss_summary, tally, verdict  # noqa: E402
+from bench.soak_services import SoakServices, chaos, sample_every  # noqa: E402
+from bench.soak_traffic import Mix, calibrate, worker  # noqa: E402
+from specmesh.launcher import PRESETS  # noqa: E402
 
-PROMPTS = ["The quick brown fox", "def merge_sort(xs):", "سلام، امروز هوا چطور است؟", "Explain paged attention.",
-           "SELECT name FROM users WHERE", "Once upon a time"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+EXPIRED_METRIC = "specmesh_sessions_expired_total"
 
 
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--duration-s", type=float, default=60)
+    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=512, help="context length of both models")
+    p.add_argument("--max-num-batched-tokens", type=int, default=128, help="token budget per forward (chunking)")
+    p.add_argument("--lease-s", type=float, default=10, help="session lease on verifier and draft service")
+    p.add_argument("--margin-s", type=float, default=10, help="wait at most lease + this for held state to go")
+    p.add_argument("--kill", default="draft,redis,gateway", help="services to SIGKILL and restart ('' = none)")
+    p.add_argument("--kill-every-s", type=float, default=15, help="mean time between kills")
+    p.add_argument("--long-frac", type=float, default=0.3, help="share of requests near the context limit")
+    p.add_argument("--cancel-prob", type=float, default=0.15)
+    p.add_argument("--deadline-prob", type=float, default=0.1, help="share of requests with a 0.2-3 s deadline")
+    p.add_argument("--request-timeout-s", type=float, default=300)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per model service")
+    p.add_argument("--no-redis", action="store_true")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment for the services, e.g. SPECMESH_VERIFIER_DTYPE=int8 (repeatable)")
+    return p.parse_args(argv)
 
 
-class Redis:
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--save", "", "--appendonly", "no",
-                                      "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL)
-
-    def restart(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-        self.start()
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
+def service_env(args: argparse.Namespace) -> dict[str, str]:
+    env: dict[str, str] = {"SPECMESH_GATEWAY_CACHE_SECRET": "soak"}   # a restarted gateway reads the same keys
+    for svc in ("VERIFIER", "DRAFT"):
+        env[f"SPECMESH_{svc}_MAX_MODEL_LEN"] = str(args.max_model_len)
+        env[f"SPECMESH_{svc}_MAX_NUM_BATCHED_TOKENS"] = str(args.max_num_batched_tokens)
+        env[f"SPECMESH_{svc}_SESSION_LEASE_S"] = f"{args.lease_s:g}"
+    return {**env, **parse_env(args.env)}
 
 
-async def one_request(stub: generate_pb2_grpc.GenerationStub, rng: random.Random, cancel_prob: float,
-                      codes: collections.Counter[str]) -> int:
-    request = client.make_request(rng.choice(PROMPTS), max_new_tokens=rng.randint(8, 96), ignore_eos=rng.random() < 0.5,
-                                  num_draft_tokens=rng.randint(0, 6), temperature=rng.choice([0.0, 0.0, 0.8]),
-                                  seed=rng.randint(0, 10**6))
-    cancel_after = rng.randint(1, 6) if rng.random() < cancel_prob else None
-    call = stub.Generate(request, timeout=120)
-    tokens = 0
-    try:
-        async for i, response in aenumerate(call):
-            tokens += len(response.token_ids)
-            if cancel_after is not None and i >= cancel_after:
-                call.cancel()
-                codes["CANCELLED_BY_CLIENT"] += 1
-                return tokens
-        codes["OK"] += 1
-    except grpc.aio.AioRpcError as exc:
-        codes[exc.code().name] += 1
-    except asyncio.CancelledError:
-        codes["CANCELLED_BY_CLIENT"] += 1
-    return tokens
+async def traffic(services: SoakServices, args: argparse.Namespace, mix: Mix, t0: float,
+                  held: list[list[float]]) -> tuple[list[Outcome], GreedyChecks]:
+    outcomes: list[Outcome] = []
+    greedy = GreedyChecks()
+    stop = asyncio.Event()
+    targets = [t for t in args.kill.split(",") if t and (t != "redis" or services.redis is not None)]
+    background = [asyncio.create_task(sample_every(services, 5.0, stop, t0, held))]
+    if targets:
+        background.append(asyncio.create_task(chaos(services, targets, args.kill_every_s, stop)))
+    workers = [asyncio.create_task(worker(services.gateway_addr, mix, seed, stop, outcomes, greedy))
+               for seed in range(args.streams)]
+    await asyncio.sleep(args.duration_s)
+    stop.set()
+    log("traffic stopping: in-flight requests finish (at most 120 s), a restart in progress completes")
+    _, pending = await asyncio.wait(workers, timeout=120)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*workers, *background, return_exceptions=True)
+    return outcomes, greedy
 
 
-async def aenumerate(it):
-    i = 0
-    async for x in it:
-        yield i, x
-        i += 1
+async def held_state(services: SoakServices) -> dict[str, dict[str, int | None]]:
+    info = await services.verifier_info()
+    draft = services.metrics_text("draft")
+    draft_sessions = metric_value(draft, "specmesh_engine_running_sessions")
+    draft_blocks = metric_value(draft, "specmesh_kv_cache_blocks_used")
+    return {"verifier": {"sessions": info.num_sessions, "kv_blocks": info.num_kv_blocks - info.num_free_kv_blocks},
+            "draft": {"sessions": None if draft_sessions is None else int(draft_sessions),
+                      "kv_blocks": None if draft_blocks is None else int(draft_blocks)}}
 
 
-async def worker(addr: str, deadline: float, seed: int, cancel_prob: float, codes: collections.Counter[str],
-                 tokens: list[int]) -> None:
-    rng = random.Random(seed)
-    async with grpc.aio.insecure_channel(addr) as channel:
-        stub = generate_pb2_grpc.GenerationStub(channel)
-        while time.monotonic() < deadline:
-            tokens[0] += await one_request(stub, rng, cancel_prob, codes)
-
-
-async def chaos(stack: Stack, redis: Redis | None, deadline: float, draft_every_s: float, redis_every_s: float,
-                events: list[str]) -> None:
-    next_draft = time.monotonic() + draft_every_s
-    next_redis = time.monotonic() + redis_every_s
-    while time.monotonic() < deadline:
+async def wait_released(services: SoakServices, limit_s: float) -> tuple[dict[str, dict[str, int | None]], float]:
+    """Polls until nothing is held (or `limit_s` passed); returns the last reading and the seconds waited."""
+    start = time.monotonic()
+    while True:
+        held = await held_state(services)
+        waited = time.monotonic() - start
+        if not any(v for counts in held.values() for v in counts.values()) or waited >= limit_s:
+            return held, waited
         await asyncio.sleep(1.0)
-        now = time.monotonic()
-        if stack.config.draft and now >= next_draft:
-            await asyncio.to_thread(stack.restart, "draft")
-            events.append(f"{now:.0f} draft restarted")
-            next_draft = time.monotonic() + draft_every_s
-        if redis is not None and now >= next_redis:
-            redis.restart()
-            events.append(f"{now:.0f} redis restarted")
-            next_redis = now + redis_every_s
 
 
-async def verifier_state(addr: str) -> verifier_pb2.ModelInfo:
-    async with grpc.aio.insecure_channel(addr) as channel:
-        return await verifier_pb2_grpc.VerifierStub(channel).GetModelInfo(verifier_pb2.GetModelInfoRequest())
+def sessions_expired(services: SoakServices) -> dict[str, float | None]:
+    return {svc: metric_value(services.metrics_text(svc), EXPIRED_METRIC) for svc in ("verifier", "draft")}
 
 
-async def run(args: argparse.Namespace) -> dict:
-    target, draft = PRESETS[args.preset]
-    redis = Redis(free_port()) if shutil.which("redis-server") and not args.no_redis else None
-    extra = {}
-    if redis is not None:
-        redis.start()
-        extra["SPECMESH_GATEWAY_REDIS_URL"] = f"redis://127.0.0.1:{redis.port}/0"
-    stack = Stack(StackConfig(target=target, draft=draft, gateway_port=free_port(), verifier_port=free_port(),
-                              draft_port=free_port(), extra_env=extra))
-    stack.start()
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    use_redis = not args.no_redis and shutil.which("redis-server") is not None
+    services = SoakServices(args.preset, service_env(args), args.threads, use_redis)
+    services.start()
     try:
-        await asyncio.sleep(2)
-        rss_start = {name: rss_mb(p.pid) for name, p in stack.procs.items()}
-        codes: collections.Counter[str] = collections.Counter()
-        tokens = [0]
-        events: list[str] = []
-        deadline = time.monotonic() + args.duration_s
-        await asyncio.gather(
-            *[worker(stack.config.gateway_addr, deadline, i, args.cancel_prob, codes, tokens)
-              for i in range(args.streams)],
-            chaos(stack, redis, deadline, args.draft_restart_every_s, args.redis_restart_every_s, events))
-        await asyncio.sleep(3)                      # let cleanups of cancelled streams land
-        info = await verifier_state(f"{stack.config.host}:{stack.config.verifier_port}")
-        rss_end = {name: rss_mb(p.pid) for name, p in stack.procs.items()}
+        mix = Mix(args.max_model_len, await calibrate(services.gateway_addr, args.max_model_len), args.long_frac,
+                  cancel_prob=args.cancel_prob, deadline_prob=args.deadline_prob, timeout_s=args.request_timeout_s)
+        log(f"traffic for {args.duration_s:.0f} s on {args.streams} streams; killing {args.kill or 'nothing'}")
+        started = time.monotonic()
+        held_timeline: list[list[float]] = []
+        outcomes, greedy = await traffic(services, args, mix, started, held_timeline)
+        ran_s = time.monotonic() - started
+        held, waited = await wait_released(services, args.lease_s + args.margin_s)
+        log(f"held state read after waiting {waited:.0f} s")
+        services.sample_rss()
+        redis_memory = services.redis.used_memory() if services.redis is not None else None
+        expired = sessions_expired(services)
+        gateway_errors = services.metrics_text("gateway")
     finally:
-        stack.stop()
-        if redis is not None:
-            redis.stop()
-    return {"duration_s": args.duration_s, "streams": args.streams, "preset": args.preset,
-            "requests_by_outcome": dict(codes), "tokens": tokens[0], "events": events,
-            "leaked_kv_blocks": info.num_kv_blocks - info.num_free_kv_blocks, "leaked_sessions": info.num_sessions,
-            "rss_mb_start": rss_start, "rss_mb_end": rss_end}
+        services.stop()
+    counts = tally(outcomes, [w for w in services.windows if w.service == "gateway"], started)
+    return {"preset": args.preset, "duration_s": ran_s, "streams": args.streams, "outcomes": counts,
+            "greedy_checks": greedy.to_json(), "held_at_end": held, "waited_for_release_s": round(waited, 1),
+            "rss": {svc: rss_summary(s) for svc, s in services.rss_samples.items()},
+            "redis_used_memory": redis_memory, "sessions_expired": expired,
+            "gateway_request_errors_last_process": metric_value(gateway_errors, "specmesh_request_errors_total"),
+            "kills": dict(services.kills),
+            "kill_windows": [[w.service, round(w.killed_s - started, 1), round(w.up_s - w.killed_s, 1)]
+                             for w in services.windows],
+            "verifier_timeline": {"columns": ["t_s", "sessions", "kv_blocks_used", "waiting"],
+                                  "rows": held_timeline},
+            "long_prompts": [vars(p) for p in mix.long_prompts],
+            "failures": verdict(counts, held, greedy)}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    parser.add_argument("--duration-s", type=float, default=60)
-    parser.add_argument("--streams", type=int, default=8)
-    parser.add_argument("--cancel-prob", type=float, default=0.2)
-    parser.add_argument("--draft-restart-every-s", type=float, default=45)
-    parser.add_argument("--redis-restart-every-s", type=float, default=30)
-    parser.add_argument("--no-redis", action="store_true")
-    parser.add_argument("--out", default="bench/results")
-    args = parser.parse_args()
+    args = parse_args()
     result = asyncio.run(run(args))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"soak-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
-    print(f"wrote {path}")
-    ok = result["leaked_kv_blocks"] == 0 and result["leaked_sessions"] == 0
-    sys.exit(0 if ok else 1)
+    result["meta"] = run_metadata(args)
+    path, _ = result_paths(f"soak-{args.preset}")
+    path.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    print(format_table(result))
+    log(f"wrote {path}")
+    sys.exit(1 if result["failures"] else 0)
 
 
 if __name__ == "__main__":
