@@ -70,7 +70,10 @@ def test_compose_tls_overlay_uses_real_settings_and_the_certificates_make_certs_
         assert probe[:4] == ["CMD", "python", "-m", "specmesh.healthcheck"] and "/certs/ca.pem" in probe
         if f"SPECMESH_{prefix}_TLS_CLIENT_CA" in env:                  # mutual TLS: the probe shows a certificate
             assert f"/certs/{name}.pem" in probe
-    assert "for name in verifier draft gateway client" in make_certs
+    assert "for name in verifier draft gateway; do" in make_certs            # signed by the internal CA (ca.pem)
+    assert "make_leaf client client-ca " in make_certs                       # end users: the separate client CA
+    for name in ("verifier", "draft"):                                        # only the gateway may call them
+        assert overlay[name]["environment"][f"SPECMESH_{SERVICES[name]}_TLS_ALLOWED_PEERS"] == "gateway"
 
 
 def test_k8s_probes_and_graceful_termination() -> None:
