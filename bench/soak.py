@@ -39,6 +39,7 @@ from bench.soak_traffic import Mix, calibrate, worker  # noqa: E402
 from specmesh.launcher import PRESETS  # noqa: E402
 
 EXPIRED_METRIC = "specmesh_sessions_expired_total"
+KILLABLE = ("draft", "redis", "gateway")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,7 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-redis", action="store_true")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for the services, e.g. SPECMESH_VERIFIER_DTYPE=int8 (repeatable)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    unknown = set(filter(None, args.kill.split(","))) - set(KILLABLE)
+    if unknown:
+        p.error(f"--kill takes {','.join(KILLABLE)}, not {','.join(sorted(unknown))}")
+    return args
 
 
 def service_env(args: argparse.Namespace) -> dict[str, str]:
@@ -145,6 +150,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "redis_used_memory": redis_memory, "sessions_expired": expired,
             "gateway_request_errors_last_process": metric_value(gateway_errors, "specmesh_request_errors_total"),
             "kills": dict(services.kills),
+            # a killed gateway leaves at most one session per stream behind; more expiries mean a live one abandons
+            "sessions_expired_explained_by_kills": services.kills["gateway"] * args.streams,
             "kill_windows": [[w.service, round(w.killed_s - started, 1), round(w.up_s - w.killed_s, 1)]
                              for w in services.windows],
             "verifier_timeline": {"columns": ["t_s", "sessions", "kv_blocks_used", "waiting"],

@@ -177,6 +177,10 @@ def format_table(result: Mapping[str, Any]) -> str:
             lines.append(f"  {svc:<10}{r['start_mb']:>8.1f} -> {r['end_mb']:>8.1f}  {r['growth_mb']:+.1f} "
                          f"over {r['growth_since_s']:.0f} s ({r['processes']} process(es))")
     lines.append(f"redis used_memory: {result['redis_used_memory']}")
-    lines.append(f"sessions expired by lease: {result['sessions_expired']}")
+    bound = result.get("sessions_expired_explained_by_kills", 0)
+    expired = {svc: n for svc, n in result["sessions_expired"].items() if n is not None}
+    lines.append(f"sessions expired by lease: {result['sessions_expired']} (gateway kills x streams = {bound})"
+                 + ("   !!! more than the gateway kills explain: sessions abandoned by a live gateway?"
+                    if any(n > bound for n in expired.values()) else ""))
     lines.append("PASS" if not result["failures"] else "FAIL: " + "; ".join(result["failures"]))
     return "\n".join(lines)

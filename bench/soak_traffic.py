@@ -129,7 +129,9 @@ def check_spec(mix: Mix, rng: random.Random, k: int) -> Spec:
                                                 num_draft_tokens=k), mix.timeout_s)
 
 
-async def run_one(stub: generate_pb2_grpc.GenerationStub, spec: Spec, greedy: GreedyChecks) -> Outcome:
+async def run_one(stub: generate_pb2_grpc.GenerationStub, spec: Spec, greedy: GreedyChecks,
+                  outcomes: list[Outcome]) -> Outcome:
+    """One request; its outcome is appended to `outcomes` even when the task is cancelled at the end of the run."""
     outcome = Outcome(spec.kind, "OK", time.monotonic(), 0.0, spec.short_deadline)
     token_ids: list[int] = []
     call = stub.Generate(spec.request, timeout=spec.timeout_s)
@@ -151,6 +153,7 @@ async def run_one(stub: generate_pb2_grpc.GenerationStub, spec: Spec, greedy: Gr
     finally:
         outcome.ended_s = time.monotonic()
         outcome.tokens = len(token_ids)
+        outcomes.append(outcome)
     if outcome.code == "OK" and spec.kind.startswith("check"):
         greedy.record(spec.kind, spec.request.num_draft_tokens, token_ids)
     return outcome
@@ -163,7 +166,6 @@ async def worker(addr: str, mix: Mix, seed: int, stop: asyncio.Event, outcomes: 
     async with grpc.aio.insecure_channel(addr, options=list(CHANNEL_OPTIONS)) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         while not stop.is_set():
-            outcome = await run_one(stub, next_spec(mix, rng), greedy)
-            outcomes.append(outcome)
+            outcome = await run_one(stub, next_spec(mix, rng), greedy, outcomes)
             if outcome.code not in ("OK", CLIENT_CANCEL, "DEADLINE_EXCEEDED"):
                 await asyncio.sleep(0.5)   # e.g. the gateway is restarting: do not spin

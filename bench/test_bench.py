@@ -214,3 +214,4 @@ def test_soak_table_shouts_fatal_codes_and_the_verdict() -> None:
     table = format_table(result)
     assert "INTERNAL" in table and "MUST BE ZERO" in table and "fatal INTERNAL: short: INTERNAL message" in table
     assert "draft     sessions ?" in table and "2/30" in table and table.endswith("FAIL: 1 x INTERNAL")
+    assert "abandoned by a live gateway" in table    # 1 expired session, no gateway kill explains it
