@@ -51,6 +51,8 @@ def _read(path: str, what: str) -> bytes:
 
 def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials | None:
     """TLS for a service's port (None = plaintext); client certificates required when tls_client_ca is set."""
+    if tls.tls_allowed_peers.strip() and not (tls.tls_cert and tls.tls_client_ca):
+        raise ValueError("tls_allowed_peers needs mutual TLS: set tls_cert, tls_key and tls_client_ca")
     if not tls.tls_cert and not tls.tls_key:
         return None
     if not (tls.tls_cert and tls.tls_key):
@@ -237,6 +239,5 @@ def peer_interceptors(tls: TlsConfig) -> list[grpc.aio.ServerInterceptor]:
     allowed = parse_peer_names(tls.tls_allowed_peers)
     if not allowed:
         return []
-    if not (tls.tls_cert and tls.tls_client_ca):
-        raise ValueError("tls_allowed_peers needs mutual TLS: set tls_cert, tls_key and tls_client_ca")
+    server_credentials(tls)                           # refuses allowed peers without mutual TLS
     return [PeerIdentityInterceptor(allowed)]

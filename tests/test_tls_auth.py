@@ -4,6 +4,7 @@ gateway's identity may call), and API keys on the public API (gRPC and the OpenA
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -23,6 +24,7 @@ from gateway.server import build_gateway
 from protos.specmesh.v1 import common_pb2, draft_pb2_grpc, generate_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specmesh import client
 from specmesh.config import DraftConfig, EngineConfig, GatewayConfig, TlsConfig, VerifierConfig
+from specmesh.security import peer_interceptors, peer_names, server_credentials
 from tests.test_node_client import ensure_node_client, run_node
 from verifier_service.server import build_verifier
 
@@ -143,6 +145,19 @@ async def test_internal_services_accept_only_the_gateway(stack, certs, service, 
 @pytest.mark.parametrize(("name", "outcome"), [("gateway", "served"), ("client", "wrong identity")])
 async def test_peer_names_are_checked_even_when_the_client_ca_is_trusted(stack, certs, name, outcome) -> None:
     assert await internal_call(stack, "lax-draft", certs, "good", name) == outcome
+
+
+def test_allowed_peers_need_mutual_tls_and_name_the_certificate(certs) -> None:
+    good = certs["good"]
+    with pytest.raises(ValueError, match="mutual TLS"):
+        server_credentials(TlsConfig(tls_allowed_peers="gateway"))                   # before any model is loaded
+    with pytest.raises(ValueError, match="mutual TLS"):
+        peer_interceptors(dataclasses.replace(service_tls(good, "verifier", False), tls_allowed_peers="gateway"))
+    assert peer_interceptors(service_tls(good, "verifier", False)) == []            # not set: no check
+    assert peer_names({"x509_common_name": [b"gateway"],
+                       "x509_subject_alternative_name": [b"specmesh-gateway", b"localhost"]}) == {
+        "gateway", "specmesh-gateway", "localhost"}
+    assert peer_names({}) == set()                                                   # no client certificate
 
 
 async def test_health_of_internal_services_stays_open_to_their_own_certificate(stack, certs) -> None:
