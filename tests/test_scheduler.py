@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -227,7 +227,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     requests and cancels; every step is simulated like the verifier and checked."""
 
     @initialize(budget=st.integers(8, 40), max_num_seqs=st.integers(1, 6), block_size=st.sampled_from([2, 4, 8]),
-                 extra_blocks=st.integers(0, 30), prefix_caching=st.booleans())
+                 extra_blocks=st.integers(0, 12), prefix_caching=st.booleans())
     def setup(self, budget: int, max_num_seqs: int, block_size: int, extra_blocks: int,
               prefix_caching: bool) -> None:
         num_blocks = -(-MAX_MODEL_LEN // block_size) + extra_blocks
@@ -267,20 +267,22 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.scheduler.enqueue(request)
         except EngineError as exc:
             assert exc.code == "INVALID_ARGUMENT" and request.num_logits > self.scheduler.max_num_batched_tokens
+            event("refused: drafts beyond the step budget")
             return
         assert request.num_logits <= self.scheduler.max_num_batched_tokens
         self.queued[request.seq.seq_id] = request
 
     @precondition(lambda self: self.queued)
-    @rule(data=st.data())
-    def expire(self, data: st.DataObject) -> None:
-        data.draw(st.sampled_from(sorted(self.queued.values(), key=lambda r: r.seq.seq_id))).deadline = 0.0
+    @rule(data=st.data(), chance=st.integers(0, 3))
+    def expire(self, data: st.DataObject, chance: int) -> None:
+        if chance == 0:                                  # rarely, so sessions live long enough to be preempted
+            data.draw(st.sampled_from(sorted(self.queued.values(), key=lambda r: r.seq.seq_id))).deadline = 0.0
 
     @precondition(lambda self: self.seqs)
-    @rule(data=st.data())
-    def cancel(self, data: st.DataObject) -> None:
-        seq = data.draw(st.sampled_from(sorted(self.seqs.values(), key=lambda s: s.seq_id)))
-        self._end(seq)
+    @rule(data=st.data(), chance=st.integers(0, 2))
+    def cancel(self, data: st.DataObject, chance: int) -> None:
+        if chance == 0:
+            self._end(data.draw(st.sampled_from(sorted(self.seqs.values(), key=lambda s: s.seq_id))))
 
     def _end(self, seq: SeqState) -> None:
         removed = self.scheduler.release(seq)
@@ -288,17 +290,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         del self.seqs[seq.seq_id]
 
     # ---- one engine step ------------------------------------------------------------------------------------
-    @rule(seed=st.integers(0, 2**32))
-    def step(self, seed: int) -> None:
-        self._step(random.Random(seed))
+    @rule(seed=st.integers(0, 2**32), num_steps=st.integers(1, 6))
+    def step(self, seed: int, num_steps: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(num_steps):
+            self._step(rng)
 
     def _step(self, rng: random.Random) -> None:
         had_work = len(self.scheduler) > 0
         before = {s.seq_id: s.num_computed for s in self.seqs.values()}
+        num_preemptions = self.scheduler.num_preemptions
         batch, failed = self.scheduler.schedule(self._idle)
+        if self.scheduler.num_preemptions > num_preemptions:
+            event("preemption")
         assert not had_work or batch or failed, "work waited but nothing ran or failed"
         for request, error in failed:
             assert error.code in ("DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"), error
+            event(f"failed: {error.code}")
             assert request not in self.scheduler.waiting
             self.queued.pop(request.seq.seq_id)
             self._end(request.seq)                       # the verifier closes a failed session
@@ -327,9 +335,12 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert req not in self.scheduler.waiting
             else:
                 assert end <= len(full) - req.num_logits   # a chunk never reaches the logits tokens
+                event("chunk")
                 assert req in self.scheduler.waiting
-            if seq.seq_id in before and seq.allocated and item.start_pos < before[seq.seq_id]:
-                assert item.start_pos == seq.num_cached_tokens   # recomputed after a preemption
+            if item.start_pos < before.get(seq.seq_id, 0):
+                assert item.start_pos == seq.num_cached_tokens   # recomputed after a preemption in this step
+            if seq.num_cached_tokens:
+                event("prefix cache hit")
 
     def _simulate(self, item: ScheduledItem, rng: random.Random) -> None:
         seq, req = item.request.seq, item.request
