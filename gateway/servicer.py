@@ -6,7 +6,6 @@ import asyncio
 import itertools
 import logging
 import sys
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ from protos.specmesh.v1 import common_pb2, draft_pb2_grpc, generate_pb2, generat
 from specmesh.config import GatewayConfig
 from specmesh.engine.loop import EngineError
 from specmesh.grpc_server import status_code
+from specmesh.leases import new_session_id
 from specmesh.telemetry.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     def _new_generation(self, params: GenerationParams, context: grpc.aio.ServicerContext,
                         trace_context: Context | None = None) -> Generation:
-        session_id = f"{params.request_id}-{uuid.uuid4().hex[:8]}"
+        session_id = new_session_id(params.request_id)     # within the services' session id bound
         remaining = context.time_remaining()
         verifier_timeout = min(self.config.verifier_timeout_s, remaining) if remaining else \
             self.config.verifier_timeout_s

@@ -44,6 +44,13 @@ def check_session_id(session_id: str) -> str:
     return session_id
 
 
+def new_session_id(name: str) -> str:
+    """A unique session id that starts with `name` (e.g. a request id, cut to fit) and stays within the bound."""
+    suffix = secrets.token_hex(4)
+    head = name.encode()[:MAX_SESSION_ID_BYTES - len(suffix) - 1].decode(errors="ignore")
+    return f"{head}-{suffix}"
+
+
 def check_owner_token(token: str) -> str:
     """INVALID_ARGUMENT unless 1..MAX_OWNER_TOKEN_BYTES bytes (for a token the caller chooses)."""
     if not token:

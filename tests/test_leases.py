@@ -12,6 +12,7 @@ from specmesh.leases import (
     SessionLeases,
     check_owner_token,
     check_session_id,
+    new_session_id,
     reap_expired,
     reap_interval_s,
 )
@@ -190,3 +191,11 @@ def test_session_ids_and_tokens_are_bounded() -> None:
         with pytest.raises(EngineError) as info:
             check_owner_token(bad)
         assert info.value.code == "INVALID_ARGUMENT" and "owner_token" in str(info.value)
+
+
+def test_new_session_ids_fit_the_bound_and_are_unique() -> None:
+    assert new_session_id("req-1").startswith("req-1-")
+    ids = {new_session_id("😀" * 128) for _ in range(100)}       # 512 bytes of request id
+    assert len(ids) == 100
+    for sid in ids:
+        assert check_session_id(sid) and sid.startswith("😀")

@@ -199,6 +199,14 @@ async def test_huge_session_ids_are_invalid_argument(stack) -> None:
     assert not stack["verifier"].engine.sessions and not stack["draft"].engine.sessions
 
 
+async def test_longest_request_id_still_fits_the_session_id_bound(stack) -> None:
+    """128 four-byte characters (the gateway's request_id limit) make a valid session id on both services."""
+    request = client.make_request("hi", max_new_tokens=6, ignore_eos=True, num_draft_tokens=2)
+    request.request_id = "\U0001F600" * 128
+    responses = [r async for r in client.stream(stack["gateway"].addr, request, timeout_s=60)]
+    assert sum(len(r.token_ids) for r in responses) == 6 and responses[0].request_id == request.request_id
+
+
 NOT_UTF8 = bytes([0x0A, 0x03, 0xFF, 0xFE, 0xC3])      # field 1 (a string on these methods) = invalid UTF-8
 TRUNCATED = b"\x0a\xff\xff\xff\x0f"                   # field 1 claims ~4 GB that never come
 METHODS = {
