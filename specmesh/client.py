@@ -34,15 +34,11 @@ async def stream(addr: str, request: generate_pb2.GenerateRequest,
 
 CONNECT_FAILURES = ("failed to connect", "connection refused", "dns resolution failed", "name resolution",
                     "connect failed", "connection reset", "socket closed", "no route to host")
-FINISH_REASON_WORDS = {"FINISH_REASON_UNSPECIFIED": "unspecified", "FINISH_REASON_LENGTH": "length",
-                       "FINISH_REASON_STOP": "stop", "FINISH_REASON_STOP_STRING": "stop string",
-                       "FINISH_REASON_CONTEXT": "context full"}
 
 
 def finish_reason_words(value: int) -> str:
-    """`length`, `stop` (end of sequence), `stop string`, `context full`."""
-    name = common_pb2.FinishReason.Name(value)
-    return FINISH_REASON_WORDS.get(name, name.removeprefix("FINISH_REASON_").lower().replace("_", " "))
+    """`length`, `stop` (end of sequence), `stop string`, `context` (as examples/node/client.js prints them)."""
+    return common_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower().replace("_", " ")
 
 
 def describe_rpc_error(exc: grpc.RpcError, addr: str) -> str:

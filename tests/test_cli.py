@@ -150,7 +150,7 @@ def test_a_child_must_print_its_own_ready_line_for_its_port() -> None:
 
 def test_finish_reasons_in_words() -> None:
     words = [client.finish_reason_words(v) for v in range(1, 5)]
-    assert words == ["length", "stop", "stop string", "context full"]
+    assert words == ["length", "stop", "stop string", "context"]
 
 
 def _fake_converted(cache: Path, preset: str, size: int) -> Path:

@@ -3,7 +3,9 @@
 // The .proto files are loaded at run time from the repository's protos/ folder (includeDirs = the repository root,
 // because the protos import each other as "protos/specmesh/v1/...").
 //
-//   npm ci && node client.js --addr 127.0.0.1:50051 --max-new-tokens 64 "def fibonacci(n):"
+// From the repository root (protos/README.md; tests/test_node_client.py runs these lines):
+//   cd examples/node && npm ci --no-audit --no-fund
+//   node examples/node/client.js --addr 127.0.0.1:50051 --max-new-tokens 32 "def fibonacci(n):"
 //
 // Options: --addr HOST:PORT, --max-new-tokens N, --temperature T, --top-p P, --top-k K, --seed S,
 // --num-draft-tokens K, --stop STR (repeatable), --ignore-eos, --chat (send the prompt as a user message),
@@ -47,6 +49,11 @@ function parseOptions(argv) {
   });
   if (positionals.length !== 1) throw new Error("expected exactly one prompt argument");
   return { ...values, prompt: positionals[0] };
+}
+
+// "FINISH_REASON_STOP_STRING" -> "stop string" (the words `specmesh generate` prints).
+function finishReasonWords(name) {
+  return String(name || "").replace(/^FINISH_REASON_/, "").toLowerCase().replace(/_/g, " ");
 }
 
 function buildRequest(o) {
@@ -94,7 +101,7 @@ async function main() {
   } else {
     const u = summary.usage || {};
     process.stderr.write(`\n[${u.completion_tokens} tokens, ${u.num_rounds} rounds, acceptance ` +
-      `${Number(u.acceptance_rate || 0).toFixed(2)}, finish ${summary.finish_reason}]\n`);
+      `${Number(u.acceptance_rate || 0).toFixed(2)}, finish ${finishReasonWords(summary.finish_reason)}]\n`);
   }
 }
 
