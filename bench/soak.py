@@ -33,7 +33,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import log, parse_env, result_paths, run_metadata  # noqa: E402
-from bench.soak_report import GreedyChecks, Outcome, format_table, metric_value, rss_summary, tally, verdict  # noqa: E402
+from bench.soak_report import (  # noqa: E402
+    GreedyChecks,
+    Outcome,
+    format_table,
+    metric_samples,
+    metric_value,
+    rss_summary,
+    tally,
+    verdict,
+)
 from bench.soak_services import SoakServices, chaos, sample_every  # noqa: E402
 from bench.soak_traffic import Mix, calibrate, worker  # noqa: E402
 from specmesh.launcher import PRESETS  # noqa: E402
@@ -148,7 +157,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "greedy_checks": greedy.to_json(), "held_at_end": held, "waited_for_release_s": round(waited, 1),
             "rss": {svc: rss_summary(s) for svc, s in services.rss_samples.items()},
             "redis_used_memory": redis_memory, "sessions_expired": expired,
-            "gateway_request_errors_last_process": metric_value(gateway_errors, "specmesh_request_errors_total"),
+            "gateway_request_errors_last_process": metric_samples(gateway_errors, "specmesh_request_errors_total"),
             "kills": dict(services.kills),
             # a killed gateway leaves at most one session per stream behind; more expiries mean a live one abandons
             "sessions_expired_explained_by_kills": services.kills["gateway"] * args.streams,

@@ -133,6 +133,19 @@ def metric_value(text: str, name: str) -> float | None:
     return total if found else None
 
 
+def metric_samples(text: str, name: str) -> dict[str, float]:
+    """A metric's samples by label set, e.g. {'code="CANCELLED"': 4.0} ('' for no labels)."""
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        sample, _, value = line.rpartition(" ")
+        metric, _, labels = sample.partition("{")
+        if metric == name:
+            samples[labels.rstrip("}")] = float(value)
+    return samples
+
+
 def leaks(held: Mapping[str, Mapping[str, int | None]]) -> dict[str, int]:
     """Non-zero held counts at the end, e.g. {'verifier.sessions': 2}; None (could not be read) is no leak."""
     return {f"{svc}.{what}": n for svc, counts in held.items() for what, n in counts.items() if n}

@@ -18,6 +18,7 @@ from bench.soak_report import (
     classify,
     format_table,
     leaks,
+    metric_samples,
     metric_value,
     rss_summary,
     tally,
@@ -186,6 +187,8 @@ def test_soak_metric_value_sums_label_sets() -> None:
     assert metric_value(text, "specmesh_engine_running_sessions") == 0.0
     assert metric_value(text, "specmesh_kv_cache_blocks_used") is None
     assert metric_value("", "anything") is None
+    assert metric_samples(text, "specmesh_sessions_expired_total") == {'reason="lease"': 2.0, 'reason="x"': 1.0}
+    assert metric_samples(text, "specmesh_engine_running_sessions") == {"": 0.0}
 
 
 def test_soak_verdict_fails_on_internal_leaks_and_greedy_drift() -> None:
