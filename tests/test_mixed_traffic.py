@@ -1,0 +1,75 @@
+"""Issue 12 end to end: prompts near the context limit (prefilled in chunks over a small step budget) beside many
+short drafted streams with random draft lengths, and a few cancels. No request fails, greedy outputs equal
+target-only greedy decoding, and every KV block comes back."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import pytest
+from transformers import AutoTokenizer
+
+from protos.specmesh.v1 import generate_pb2_grpc
+from specmesh import client
+from specmesh.models import resolve_model_dir
+from tests.stack import reference_greedy, start_draft, start_gateway, start_verifier
+from tests.test_e2e_greedy import PROMPTS, generate, wait_blocks_free
+
+MAX_MODEL_LEN = 256
+STEP_BUDGET = 64
+WORDS = ("cache", "block", "token", "draft", "verify", "paged", "kernel", "river", "stone", "light", "graph", "queue")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(str(resolve_model_dir("tiny-target")))
+
+
+def near_context_prompt(tokenizer, rng: random.Random, preamble: str, max_tokens: int) -> str:
+    """The longest run of random words after `preamble` that still tokenizes to at most `max_tokens`."""
+    text = preamble
+    while True:
+        longer = text + " " + rng.choice(WORDS)
+        if len(tokenizer(longer)["input_ids"]) > max_tokens:
+            return text
+        text = longer
+
+
+async def cancel_after_first_token(addr: str, prompt: str, max_new_tokens: int) -> None:
+    request = client.make_request(prompt, max_new_tokens=max_new_tokens, ignore_eos=True, num_draft_tokens=8)
+    async with grpc.aio.insecure_channel(addr) as channel:
+        call = generate_pb2_grpc.GenerationStub(channel).Generate(request)
+        async for _ in call:
+            break
+        call.cancel()
+
+
+async def test_near_context_prefills_beside_drafted_streams(tokenizer) -> None:
+    rng = random.Random(12)
+    verifier = await start_verifier(max_num_batched_tokens=STEP_BUDGET, max_model_len=MAX_MODEL_LEN, block_size=8)
+    same, unrelated = await start_draft("tiny-draft"), await start_draft("tiny-draft-unrelated")
+    gateways = [await start_gateway(verifier.addr, same.addr), await start_gateway(verifier.addr, unrelated.addr)]
+    try:
+        preamble = " ".join(rng.choice(WORDS) for _ in range(60))      # shared: prefix-cache hits between them
+        long_jobs = [(near_context_prompt(tokenizer, rng, preamble, MAX_MODEL_LEN - 20 - i), 16 + i)
+                     for i in range(3)]
+        short_jobs = [(PROMPTS[i % len(PROMPTS)] + " " + rng.choice(WORDS), rng.randint(12, 40)) for i in range(12)]
+        jobs = long_jobs + short_jobs
+        assert all(len(tokenizer(p)["input_ids"]) > 3 * STEP_BUDGET for p, _ in long_jobs)
+        expected = [reference_greedy(tokenizer(p)["input_ids"], n) for p, n in jobs]
+        runs = [generate(gateways[i % 2].addr, p, max_new_tokens=n, ignore_eos=True,
+                         num_draft_tokens=rng.randint(0, 16)) for i, (p, n) in enumerate(jobs)]
+        cancels = [cancel_after_first_token(gateways[0].addr, long_jobs[0][0], 20),
+                   cancel_after_first_token(gateways[1].addr, PROMPTS[2], 200)]
+        results = await asyncio.wait_for(asyncio.gather(*runs, *cancels), timeout=120)
+        outputs = [ids for ids, _, _ in results[: len(jobs)]]
+        assert outputs == expected                  # an INTERNAL anywhere would have raised from generate()
+        assert sum(r[-1].usage.num_drafted_tokens for _, _, r in results[: len(jobs)]) > 0
+        await wait_blocks_free(verifier)
+        assert verifier.engine.block_manager.num_free_blocks == verifier.engine.block_manager.num_blocks
+        assert len(verifier.engine.scheduler) == 0
+    finally:
+        for running in (*gateways, same, unrelated, verifier):
+            await running.stop()
