@@ -210,12 +210,12 @@ async def test_openai_http_forwards_the_api_key(stack) -> None:
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed (Node.js 18+ needed)")
 async def test_node_client_speaks_tls_with_an_api_key(stack, certs) -> None:
-    node_client = await asyncio.to_thread(ensure_node_client)
+    node_client = (await asyncio.to_thread(ensure_node_client))[:2]        # node examples/node/client.js
     expected = await complete(stack["gateway"], certs["good"] / "ca.pem", "Bearer key-1")
     args = ["--addr", stack["gateway"], "--ca", str(certs["good"] / "ca.pem"), "--max-new-tokens", "8",
             "--ignore-eos", "--num-draft-tokens", "3", "--json"]
-    code, out, err = await run_node(node_client, *args, "--api-key", "key-1", "The quick brown fox")
+    code, out, err = await run_node([*node_client, *args, "--api-key", "key-1", "The quick brown fox"])
     assert code == 0, err
     assert json.loads(out)["text"] == expected.text
-    code, _, err = await run_node(node_client, *args, "--api-key", "wrong", "The quick brown fox")
+    code, _, err = await run_node([*node_client, *args, "--api-key", "wrong", "The quick brown fox"])
     assert code == 1 and "PERMISSION_DENIED" in err
