@@ -150,3 +150,78 @@ async def test_verify_reports_the_batch_it_ran_in() -> None:
         assert all(r.num_waiting == 0 for r in results) and len(firsts) == 2
     finally:
         await verifier.server.stop(0)
+
+
+async def test_more_drafts_than_the_step_budget_is_invalid_argument() -> None:
+    """Issue 12: a Verify whose pending token + drafts exceed max_num_batched_tokens is refused at once (it used to
+    loop forever or fail the whole engine); one that just fits runs, and the session goes on."""
+    verifier = await start_verifier(max_num_batched_tokens=16)
+    engine = verifier.engine
+    try:
+        params = SamplingParams()
+        first = (await engine.start_session("s", list(range(1, 40)), params).future).token_ids[0]
+        with pytest.raises(EngineError) as info:
+            await engine.verify("s", [5] * 16, None).future
+        assert info.value.code == "INVALID_ARGUMENT" and "max_num_batched_tokens=16" in str(info.value)
+        result = await engine.verify("s", [first] + [5] * 14, None).future     # 15 drafts + pending = 16 tokens
+        assert result.num_accepted <= 15 and result.token_ids
+        assert "s" in engine.sessions and not engine.sessions["s"].busy
+        engine.end_session("s")
+        await wait_blocks_free(verifier)
+    finally:
+        await verifier.stop()
+
+
+async def test_a_fault_while_finishing_one_request_fails_only_that_request() -> None:
+    """A bug hit while finishing one session's verify fails that call with INTERNAL; its batch-mates and the
+    requests still queued are answered as usual."""
+    verifier = await start_verifier()
+    engine = verifier.engine
+    try:
+        engine.stop()                               # freeze the engine thread: run its steps by hand
+        params = SamplingParams()
+        starts = [engine.start_session(f"f{i}", [1, 2, 3, 4 + i], params) for i in range(3)]
+        handle_posted(engine, 3)
+        engine.step()
+        firsts = [(await s.future).token_ids[0] for s in starts]
+        real_sample = engine._sample
+
+        def sample(session, *args):
+            if session.session_id == "f1":
+                raise RuntimeError("boom")
+            return real_sample(session, *args)
+
+        engine._sample = sample
+        verifies = [engine.verify(f"f{i}", [7, 8], None) for i in range(3)]
+        handle_posted(engine, 3)
+        engine.step()
+        with pytest.raises(EngineError) as info:
+            await verifies[1].future
+        assert info.value.code == "INTERNAL" and "boom" in str(info.value)
+        assert [len((await verifies[i].future).token_ids) > 0 for i in (0, 2)] == [True, True]
+        assert "f1" not in engine.sessions and {"f0", "f2"} <= set(engine.sessions)
+        assert len(firsts) == 3
+    finally:
+        await verifier.server.stop(0)
+
+
+async def test_a_forward_crash_fails_its_batch_not_the_queue() -> None:
+    verifier = await start_verifier(max_num_seqs=1)
+    engine = verifier.engine
+    try:
+        engine.stop()                               # freeze the engine thread: run its steps by hand
+        params = SamplingParams()
+        starts = [engine.start_session(f"c{i}", [1, 2, 3, 4 + i], params) for i in range(2)]
+        handle_posted(engine, 2)
+        real_forward = engine.runner.forward
+        engine.runner.forward = lambda items: (_ for _ in ()).throw(RuntimeError("device lost"))
+        engine.step()                               # one sequence per step: c0 runs (and crashes), c1 waits
+        engine.runner.forward = real_forward
+        with pytest.raises(EngineError) as info:
+            await starts[0].future
+        assert info.value.code == "INTERNAL" and "device lost" in str(info.value)
+        engine.step()
+        assert (await starts[1].future).token_ids
+        assert engine.block_manager.num_used_blocks == 1 and list(engine.sessions) == ["c1"]
+    finally:
+        await verifier.server.stop(0)
