@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -31,6 +31,18 @@ class RoundOutput:
     num_drafted: int
     num_accepted: int
     draft_source: int
+
+
+async def _session_alive(call: Awaitable[verifier_pb2.VerifyResponse]) -> verifier_pb2.VerifyResponse:
+    """A Verify refused for its owner token means the verifier ended this session: it was idle past the lease (a
+    round slower than the lease). Say so, rather than pass on a PERMISSION_DENIED the client did nothing to earn."""
+    try:
+        return await call
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.PERMISSION_DENIED:
+            raise
+        raise grpc.aio.AioRpcError(grpc.StatusCode.ABORTED, exc.initial_metadata(), exc.trailing_metadata(),
+                                   f"session ended by the verifier (idle past its lease): {exc.details()}") from exc
 
 
 class Generation:
@@ -80,7 +92,7 @@ class Generation:
                 if self.prefetch and self.drafter is not None:
                     # The next block crosses the draft link while the verifier works (used if all is accepted).
                     self.drafter.prefetch(context, draft, min(wanted, max(remaining - len(draft.token_ids) - 2, 0)))
-                result = await verify
+                result = await _session_alive(verify)
                 if self.draft_length is not None:
                     self.draft_length.observe(len(draft.token_ids), result.num_accepted, drafted - started,
                                               time.perf_counter() - drafted)

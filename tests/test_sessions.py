@@ -21,11 +21,14 @@ import pytest_asyncio
 from transformers import AutoTokenizer
 
 from draft_service.server import build_draft
+from gateway.drafters import ModelDrafter
 from protos.specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, generate_pb2, verifier_pb2, verifier_pb2_grpc
 from specmesh import client
 from specmesh.config import DraftConfig, EngineConfig, VerifierConfig
+from specmesh.grpc_server import ServiceServer
 from specmesh.launcher import wait_serving
 from specmesh.models import resolve_model_dir
+from specmesh.sampling import SamplingParams
 from tests.stack import Running, reference_greedy, start_draft, start_gateway, start_verifier
 from tests.test_faults import free_port
 from verifier_service.server import build_verifier
@@ -276,6 +279,47 @@ async def test_idle_sessions_expire_on_both_services(leased) -> None:
     await wait_released(verifier, 5 * LEASE_S)                             # "busy" expires too once the caller left
     await wait_released(draft, 5 * LEASE_S)
     assert expired_count(verifier) == 2 and expired_count(draft) == 1
+
+
+async def test_drafter_reopens_a_draft_session_whose_lease_ran_out(leased) -> None:
+    """Other tiers may draft for longer than the lease: the draft service answers NOT_FOUND to the next partial
+    context (the expired lease binds nothing), and the drafter resends its whole context at once."""
+    _, draft = leased
+    async with grpc.aio.insecure_channel(draft.addr) as channel:
+        drafter = ModelDrafter(draft_pb2_grpc.DraftStub(channel), "reopened", SamplingParams(), timeout_s=30.0)
+        context = list(range(3, 30))
+        first = await drafter.propose(context, 3)
+        await wait_released(draft, 5 * LEASE_S)                               # the lease ran out
+        assert expired_count(draft) == 1
+        again = await drafter.propose(context + first.token_ids, 3)
+        assert len(again.token_ids) == 3 and drafter.num_failures == 0
+        await drafter.close()
+    await wait_released(draft, 10)
+
+
+class SlowDraft(draft_pb2_grpc.DraftServicer):
+    """A draft service whose Propose takes longer than the verifier's lease."""
+
+    async def Propose(self, request: draft_pb2.ProposeRequest,
+                      context: grpc.aio.ServicerContext) -> draft_pb2.ProposeResponse:
+        await asyncio.sleep(3 * LEASE_S)
+        return draft_pb2.ProposeResponse()
+
+
+async def test_round_slower_than_the_lease_is_aborted_not_permission_denied(leased) -> None:
+    verifier, _ = leased
+    slow = ServiceServer(["specmesh.v1.Draft"], lambda s: draft_pb2_grpc.add_DraftServicer_to_server(SlowDraft(), s))
+    slow_port = await slow.start("127.0.0.1", 0)
+    gateway = await start_gateway(verifier.addr, f"127.0.0.1:{slow_port}", draft_timeout_s=10.0)
+    try:
+        request = client.make_request(PROMPT, max_new_tokens=20, ignore_eos=True, num_draft_tokens=3)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await _collect(gateway.addr, request)
+        assert info.value.code() == grpc.StatusCode.ABORTED and "lease" in info.value.details()
+        await wait_released(verifier, 5 * LEASE_S)
+    finally:
+        await gateway.stop()
+        await slow.stop(0)
 
 
 async def test_sessions_of_a_sigkilled_gateway_expire(leased) -> None:
