@@ -2,8 +2,8 @@
 SIGKILLed and restarted at random, for a fixed time.
 
     timeout 300 .venv/bin/python bench/soak.py --preset tiny --duration-s 60 --streams 4          # quick check
-    .venv/bin/python bench/soak.py --preset tiny --duration-s 1200 --streams 8                     # 20 min
-    .venv/bin/python bench/soak.py --preset qwen --duration-s 600 --streams 4 \\
+    .venv/bin/python bench/soak.py --preset tiny --duration-s 1200 --streams 8 --kill-every-s 30   # 20 min
+    .venv/bin/python bench/soak.py --preset qwen --duration-s 600 --streams 4 --lease-s 30 --kill-every-s 45 \\
         --env SPECMESH_VERIFIER_DTYPE=int8 --env SPECMESH_DRAFT_DTYPE=int8                          # real pair
 
 Every service is its own process on free ports (verifier, draft service, gateway, redis-server), /metrics on each.
