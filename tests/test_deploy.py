@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
+import os
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -76,6 +80,54 @@ def test_compose_tls_overlay_uses_real_settings_and_the_certificates_make_certs_
         assert overlay[name]["environment"][f"SPECMESH_{SERVICES[name]}_TLS_ALLOWED_PEERS"] == "gateway"
 
 
+def _model_service_mounts(services: dict) -> dict[str, list[str]]:
+    return {name: [v if isinstance(v, str) else f"{v['source']}:{v['target']}" for v in services[name]["volumes"]]
+            for name in SERVICES}
+
+
+def test_compose_serves_the_real_pair_by_default_and_tiny_is_an_explicit_overlay() -> None:
+    from specmesh.models import REAL_PRESETS
+
+    compose = _compose()
+    services = compose["services"]
+    assert compose["x-specmesh-image"]["build"]["args"]["FETCH_MODELS"] == "${SPECMESH_FETCH_MODELS:-1}"
+    assert services["verifier"]["environment"]["SPECMESH_VERIFIER_MODEL"] == "${SPECMESH_TARGET:-qwen2.5-coder-1.5b}"
+    assert services["draft"]["environment"]["SPECMESH_DRAFT_MODEL"] == "${SPECMESH_DRAFT:-qwen2.5-coder-0.5b}"
+    assert {"qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"} == set(REAL_PRESETS)
+    assert all(m == ["${SPECMESH_MODEL_CACHE:-models}:/models"] for m in _model_service_mounts(services).values())
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert 'if [ "${FETCH_MODELS}" = "1" ]; then specmesh models fetch' in dockerfile
+    assert "SPECMESH_CACHE_DIR=/models" in dockerfile
+    tiny = yaml.safe_load((DEPLOY / "docker-compose.tiny.yml").read_text())
+    assert tiny["services"]["verifier"]["environment"]["SPECMESH_VERIFIER_MODEL"] == "tiny-target"
+    assert tiny["services"]["draft"]["environment"]["SPECMESH_DRAFT_MODEL"] == "tiny-draft"
+    for name in SERVICES:
+        assert tiny["services"][name]["image"] == "specmesh:tiny" != services[name]["image"]
+        assert tiny["services"][name]["build"]["args"]["FETCH_MODELS"] == "0"
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose is not installed")
+def test_tiny_overlay_replaces_the_model_volume_when_merged(tmp_path: Path) -> None:
+    files = ["-f", str(DEPLOY / "docker-compose.yml"), "-f", str(DEPLOY / "docker-compose.tiny.yml")]
+    result = subprocess.run(["docker-compose", *files, "config"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    assert all(m == ["models-tiny:/models:rw"] for m in _model_service_mounts(services).values())
+    assert services["verifier"]["environment"]["SPECMESH_VERIFIER_MODEL"] == "tiny-target"
+    assert services["verifier"]["build"]["args"]["FETCH_MODELS"] == "0"
+
+
+def test_entrypoint_refuses_a_model_that_is_not_fetched(tmp_path: Path) -> None:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "SPECMESH_CACHE_DIR": str(tmp_path), "SPECMESH_VERIFIER_MODEL": "qwen2.5-coder-1.5b"}
+    result = subprocess.run(["sh", str(DEPLOY / "entrypoint.sh"), "verifier"], capture_output=True, text=True,
+                            env=env, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"error: model preset 'qwen2.5-coder-1.5b' is not fetched into {tmp_path / 'models'}: run "
+        "`specmesh models fetch` first (or set SPECMESH_CACHE_DIR to a cache that has it)"]
+
+
 def test_k8s_probes_and_graceful_termination() -> None:
     docs = _k8s_docs()
     config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]
@@ -129,8 +181,8 @@ def _exported_names() -> set[str]:
 
 
 def test_dashboard_queries_only_metrics_the_services_export() -> None:
-    dashboard = (DEPLOY / "grafana" / "dashboards" / "specmesh.json").read_text()
-    used = set(re.findall(r"specmesh_[a-z_]+", dashboard))
+    panels = json.loads((DEPLOY / "grafana" / "dashboards" / "specmesh.json").read_text())["panels"]
+    used = {name for p in panels for t in p["targets"] for name in re.findall(r"specmesh_[a-z_]+", t["expr"])}
     assert used, "dashboard has no specmesh queries"
     assert used <= _exported_names(), f"unknown metrics: {sorted(used - _exported_names())}"
     adapter = yaml.safe_load((DEPLOY / "prometheus-adapter-values.yaml").read_text())

@@ -128,3 +128,21 @@ def check_model_ref(ref: str, cache_dir: Path | None = None) -> None:
     if path.exists():
         raise ModelRefError(f"{path} is neither a Hugging Face model directory nor a .gguf file")
     raise ModelRefError(f"model path {path} does not exist")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m specmesh.models.catalog REF...`: one `error: ...` line and exit 1 for a reference that cannot load
+    (the container entrypoint runs it before starting a model service)."""
+    import sys
+
+    for ref in sys.argv[1:] if argv is None else argv:
+        try:
+            check_model_ref(ref)
+        except ModelRefError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
