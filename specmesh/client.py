@@ -45,7 +45,8 @@ def describe_rpc_error(exc: grpc.RpcError, addr: str) -> str:
     """One line: the status code name and a clear text (naming the gateway when it cannot be reached)."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = (exc.details() if hasattr(exc, "details") else "") or ""
-    if code == grpc.StatusCode.UNAVAILABLE and any(s in details.lower() for s in CONNECT_FAILURES):
+    relayed = details.startswith(("verifier", "draft"))  # the gateway passing on its own backend's error
+    if code == grpc.StatusCode.UNAVAILABLE and not relayed and any(s in details.lower() for s in CONNECT_FAILURES):
         return f"{code.name}: cannot reach the gateway at {addr} (is 'specmesh up' running?)"
     if code == grpc.StatusCode.DEADLINE_EXCEEDED and not details:
         details = "the request did not finish in time"

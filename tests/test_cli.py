@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from specmesh import __version__, cli, client
@@ -146,6 +147,28 @@ def test_a_child_must_print_its_own_ready_line_for_its_port() -> None:
     proc = _child("import sys; sys.exit(3)")
     with pytest.raises(StartError, match=r"verifier \(pid \d+\) exited with code 3 before it was ready"):
         wait_child_ready("verifier", proc, ChildOutput(proc, echo=False), 4321, 20)
+
+
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def test_rpc_errors_name_the_status_code_and_blame_the_right_hop() -> None:
+    refused = "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:9: Connection refused"
+    assert client.describe_rpc_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE, refused), "h:1") == (
+        "UNAVAILABLE: cannot reach the gateway at h:1 (is 'specmesh up' running?)")
+    relayed = f"verifier: {refused}"          # the gateway is up; its verifier is not
+    assert client.describe_rpc_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE, relayed), "h:1") == (
+        f"UNAVAILABLE: {relayed}")
+    assert client.describe_rpc_error(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full"), "h:1") == (
+        "RESOURCE_EXHAUSTED: queue full")
 
 
 def test_finish_reasons_in_words() -> None:
