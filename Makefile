@@ -39,3 +39,21 @@ bench: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info protos/specmesh/v1/*_pb2*.py*
+
+# Load generators for README's "Benchmark your deployment", each in its own venv (their dependencies conflict with
+# specmesh's and with each other's); tests/test_load_tools.py runs them against the HTTP API.
+GUIDELLM_VERSION ?= 0.8.1
+AIPERF_VERSION ?= 0.13.0
+.PHONY: load-tools
+
+load-tools: .venv-guidellm/bin/guidellm .venv-aiperf/bin/aiperf
+
+.venv-guidellm/bin/guidellm:
+	$(PYTHON) -m venv .venv-guidellm
+	.venv-guidellm/bin/python -m pip install -q --upgrade pip
+	.venv-guidellm/bin/python -m pip install -q guidellm==$(GUIDELLM_VERSION)
+
+.venv-aiperf/bin/aiperf:
+	$(PYTHON) -m venv .venv-aiperf
+	.venv-aiperf/bin/python -m pip install -q --upgrade pip
+	.venv-aiperf/bin/python -m pip install -q aiperf==$(AIPERF_VERSION)
