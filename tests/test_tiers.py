@@ -117,6 +117,19 @@ async def generate(addr: str, prompt: str, tenant: str | None = None, **kwargs) 
     return [t for r in responses for t in r.token_ids], responses
 
 
+async def settle(store: RedisServer, timeout_s: float = 5.0) -> None:
+    """Waits until the write-behind has reached Redis: the key count held still for 0.2 s (a loaded machine may
+    take longer than the usual few milliseconds)."""
+    client, last, still = redis.Redis(port=store.port), -1, 0
+    for _ in range(int(timeout_s / 0.05)):
+        size = client.dbsize()
+        still = still + 1 if size == last else 0
+        if still >= 4:
+            return
+        last = size
+        await asyncio.sleep(0.05)
+
+
 def rounds(responses: list, source: int) -> list:
     return [r.round for r in responses if r.round.round > 0 and r.round.draft_source == source]
 
@@ -132,7 +145,7 @@ async def test_cache_hits_keep_greedy_output(stack, gateway: str) -> None:
         want = expected(stack, prompt)
         cold, cold_responses = await generate(stack[gateway].addr, prompt, tenant=f"t-{gateway}")
         before = stats()
-        await asyncio.sleep(0.1)                                      # write-behind reaches Redis
+        await settle(stack["store"])                                  # write-behind reaches Redis
         warm, warm_responses = await generate(stack[gateway].addr, prompt, tenant=f"t-{gateway}")
         after = stats()
         assert cold == want and warm == want
@@ -148,7 +161,7 @@ async def test_cache_hits_keep_greedy_output(stack, gateway: str) -> None:
 async def test_tenants_do_not_share_the_cache(stack) -> None:
     prompt = "Where is my order number 51423?"
     await generate(stack["redis"].addr, prompt, tenant="alpha")
-    await asyncio.sleep(0.1)
+    await settle(stack["store"])
     _, other = await generate(stack["redis"].addr, prompt, tenant="beta")
     _, same = await generate(stack["redis"].addr, prompt, tenant="alpha")
     assert not rounds(other, CACHE)
