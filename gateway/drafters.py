@@ -69,7 +69,7 @@ class ModelDrafter:
     max_q_entries: int = 0
     # Chosen here and sent on every call: the Propose that creates the draft session binds it, and the service
     # refuses the session's calls without it. It binds again when the service lost the session (whole context).
-    owner_token: str = field(default_factory=lambda: secrets.token_urlsafe(16))
+    owner_token: str = field(default_factory=lambda: secrets.token_urlsafe(16), repr=False)
     # What the draft service holds as its context: `num_synced` tokens of the verified context, then `spec_ids`
     # (draft tokens a prefetch told it to assume accepted). The next call sends everything after the longest
     # prefix of that which is still right.

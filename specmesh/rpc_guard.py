@@ -22,7 +22,6 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc._cython.cygrpc import AbortError
 
 from specmesh.engine.loop import EngineError
 
@@ -80,7 +79,7 @@ def guard_unary(behavior: Behavior, method: str) -> Callable[[Any, grpc.aio.Serv
         try:
             result = behavior(request, context)
             return await result if inspect.isawaitable(result) else result
-        except AbortError:
+        except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never UNKNOWN
             await _abort_for(exc, method, context)
@@ -97,7 +96,7 @@ def guard_stream(behavior: Behavior, method: str) -> Callable[[Any, grpc.aio.Ser
                     yield item
             elif inspect.isawaitable(result):      # a method that writes with context.write()
                 await result
-        except AbortError:
+        except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never UNKNOWN
             await _abort_for(exc, method, context)
