@@ -24,9 +24,9 @@ import secrets
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from specmesh.engine.loop import EngineError
+from specmesh.engine.errors import EngineError
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def check_owner_token(token: str) -> str:
 
 @dataclass
 class _Lease:
-    token: str
+    token: str = field(repr=False)
     last_used: float          # clock() when the last call ended (or the lease opened)
     in_flight: int = 0        # calls of this session running now
 

@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from specmesh.engine.loop import EngineError
+from specmesh.engine.errors import EngineError
 
 log = logging.getLogger(__name__)
 
