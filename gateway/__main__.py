@@ -12,6 +12,7 @@ from gateway.openai_http import ServedModel, loopback_channel_factory, loopback_
 from gateway.server import build_gateway_parts
 from specmesh.config import GatewayConfig, load_config
 from specmesh.grpc_server import serve_until_signal
+from specmesh.security import load_api_keys
 from specmesh.telemetry.tracing import setup_tracing
 
 
@@ -26,7 +27,7 @@ async def _main(argv: list[str]) -> None:
         http = await start_openai_http(model, config.host, config.http_port,
                                        lambda: loopback_target(config.host, server.port),
                                        loopback_channel_factory(config), gateway.metrics, gateway.tokenizer,
-                                       ssl_context)
+                                       ssl_context, load_api_keys(config))
         server.on_stop.append(http.close)
         logging.getLogger(__name__).info("OpenAI-compatible HTTP API on %s://%s:%d/v1",
                                          "https" if ssl_context else "http", config.host, http.port)

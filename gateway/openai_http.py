@@ -44,9 +44,10 @@ from gateway.server import fetch_model_info
 from protos.specmesh.v1 import generate_pb2, generate_pb2_grpc, verifier_pb2_grpc
 from specmesh.channels import internal_channel
 from specmesh.config import GatewayConfig
+from specmesh.security import TENANT_HEADER, ApiKeys, Denied, resolve_tenant
 from specmesh.telemetry.metrics import GatewayMetrics
 
-FORWARDED_HEADERS = ("authorization", "x-specmesh-tenant")
+FORWARDED_HEADERS = ("authorization", TENANT_HEADER)
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 2.0
 
@@ -68,18 +69,20 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
 class OpenAIHttp:
     """The aiohttp app; `grpc_target()` names the gateway's gRPC address (known once the gRPC server is bound).
     `metrics`: the gateway's (HTTP refusals counted, /metrics served); `tokenizer`: for /v1/tokenize;
-    `ssl_context`: HTTPS (gateway.http_edge.http_ssl_context)."""
+    `ssl_context`: HTTPS (gateway.http_edge.http_ssl_context); `api_keys`: the gateway's, checked on every /v1/
+    route with the gRPC API's rule (specmesh.security.resolve_tenant; the gRPC service checks generations again)."""
 
     def __init__(self, model: ServedModel, grpc_target: Callable[[], str],
                  channel_factory: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
                  metrics: GatewayMetrics | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None, api_keys: ApiKeys | None = None) -> None:
         self.model = model
         self._target = grpc_target
         self._channel_factory = channel_factory
         self._channel: grpc.aio.Channel | None = None
-        self.metrics, self.tokenizer, self.ssl_context = metrics, tokenizer, ssl_context
-        self.app = web.Application(middlewares=[error_middleware(metrics)], client_max_size=MAX_BODY_BYTES)
+        self.metrics, self.tokenizer, self.ssl_context, self.api_keys = metrics, tokenizer, ssl_context, api_keys
+        self.app = web.Application(middlewares=[error_middleware(metrics), self._check_api_key],
+                                   client_max_size=MAX_BODY_BYTES)
         self.app.add_routes([
             web.get("/v1/models", self.models), web.get("/v1/models/{model}", self.model_card),
             web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat_completions),
@@ -87,6 +90,16 @@ class OpenAIHttp:
             web.post("/ping", self.health), web.get("/metrics", self.prometheus), web.get("/version", self.version)])
         self.runner: web.AppRunner | None = None
         self.port = 0
+
+    @web.middleware
+    async def _check_api_key(self, request: web.Request,
+                             handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+        if self.api_keys is not None and request.path.startswith("/v1/"):
+            verdict = resolve_tenant(self.api_keys, request.headers.get("Authorization"),
+                                     request.headers.get(TENANT_HEADER))
+            if isinstance(verdict, Denied):
+                raise ApiError.from_grpc(verdict.code, verdict.message, relayed=False)
+        return await handler(request)
 
     def _grpc_channel(self) -> grpc.aio.Channel:
         if self._channel is None:
@@ -265,7 +278,8 @@ def loopback_target(host: str, port: int) -> str:
 async def start_openai_http(model: ServedModel, host: str, port: int, grpc_target: Callable[[], str],
                             channel_factory: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
                             metrics: GatewayMetrics | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
-                            ssl_context: ssl.SSLContext | None = None) -> OpenAIHttp:
-    http = OpenAIHttp(model, grpc_target, channel_factory, metrics, tokenizer, ssl_context)
+                            ssl_context: ssl.SSLContext | None = None, api_keys: ApiKeys | None = None
+                            ) -> OpenAIHttp:
+    http = OpenAIHttp(model, grpc_target, channel_factory, metrics, tokenizer, ssl_context, api_keys)
     await http.start(host, port)
     return http

@@ -54,10 +54,11 @@ class ApiError(Exception):
         self.relayed = relayed      # answered by the gRPC service (already counted in its metrics)
 
     @classmethod
-    def from_grpc(cls, code: grpc.StatusCode, details: str) -> ApiError:
+    def from_grpc(cls, code: grpc.StatusCode, details: str, relayed: bool = True) -> ApiError:
+        """The HTTP error of a gRPC status (relayed: the gRPC service answered it, and counted it)."""
         status, type_ = HTTP_STATUS.get(code, (500, "server_error"))
         message, param = openai_field_names(details or code.name)
-        return cls(status, message, type_, param=param, code=code.name.lower(), relayed=True)
+        return cls(status, message, type_, param=param, code=code.name.lower(), relayed=relayed)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

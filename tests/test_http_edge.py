@@ -234,3 +234,30 @@ async def test_an_unexpected_exception_is_a_logged_500_json(caplog) -> None:
         assert metrics.registry.get_sample_value("specmesh_request_errors_total", {"code": "INTERNAL"}) == 1
     finally:
         await http.close()
+
+
+@pytest.mark.parametrize(("headers", "status"), [
+    ({}, 401), ({"Authorization": "Basic key-1"}, 401), ({"Authorization": "Bearer nope"}, 403),
+    ({"Authorization": "Bearer key-1", "X-Specmesh-Tenant": "team-b"}, 403),
+    ({"Authorization": "Bearer key-1", "X-Specmesh-Tenant": "team-a"}, 200), ({"Authorization": "Bearer key-1"}, 200)],
+    ids=["no-key", "not-bearer", "wrong-key", "other-tenant", "own-tenant", "key"])
+async def test_api_keys_guard_every_v1_route_with_the_grpc_rule(edge, headers, status) -> None:
+    gateway = edge["gateway"]
+    http = await start_openai_http(ServedModel("tiny-target", 2048, 0), "127.0.0.1", 0,
+                                   lambda: f"127.0.0.1:{edge['grpc_port']}", metrics=GatewayMetrics(),
+                                   tokenizer=gateway.tokenizer, api_keys={"key-1": "team-a"})
+    try:
+        async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{http.port}") as session:
+            for method, path, payload in (("POST", "/v1/tokenize", {"prompt": "x"}), ("GET", "/v1/models", None)):
+                async with session.request(method, path, json=payload, headers=headers) as r:
+                    assert r.status == status and r.content_type == "application/json"
+                    if status != 200:
+                        code = (await r.json())["error"]["code"]
+                        assert code == ("unauthenticated" if status == 401 else "permission_denied")
+            async with session.get("/health") as r:                   # probes stay open
+                assert r.status == 200
+        refused = http.metrics.registry.get_sample_value(
+            "specmesh_request_errors_total", {"code": "UNAUTHENTICATED" if status == 401 else "PERMISSION_DENIED"})
+        assert refused == (None if status == 200 else 2)
+    finally:
+        await http.close()
