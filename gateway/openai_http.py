@@ -14,6 +14,7 @@ metric. A stream that fails before its first token is answered with an HTTP erro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import ssl
@@ -226,6 +227,13 @@ class OpenAIHttp:
             await response.write(_sse(ApiError.from_grpc(exc.code(), exc.details() or "").body()))
         except ConnectionResetError:
             log.info("client left during a stream; generation cancelled")
+        except Exception:                            # a bug once the headers went out: an error event, logged
+            log.exception("unexpected error during a stream")
+            if self.metrics is not None:
+                self.metrics.errors.labels("INTERNAL").inc()
+            with contextlib.suppress(ConnectionResetError):
+                await response.write(_sse(ApiError(500, "internal error (logged by the gateway)", "server_error",
+                                                   code="internal_error").body()))
         finally:
             call.cancel()                                # no-op when finished; frees the KV if the client left
         return response

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.http_edge import http_ssl_context
 from gateway.openai_http import ServedModel, start_openai_http
 from gateway.server import build_gateway_parts
+from protos.specmesh.v1 import generate_pb2
 from specmesh.config import GatewayConfig, TlsConfig
 from specmesh.telemetry.metrics import GatewayMetrics
 from tests.stack import start_verifier
@@ -231,6 +232,57 @@ async def test_an_unexpected_exception_is_a_logged_500_json(caplog) -> None:
             error = (await r.json())["error"]
         assert error["type"] == "server_error" and "a bug" not in error["message"]
         assert "RuntimeError: a bug" in caplog.text                       # the traceback is logged
+        assert metrics.registry.get_sample_value("specmesh_request_errors_total", {"code": "INTERNAL"}) == 1
+    finally:
+        await http.close()
+
+
+class FailingStream:
+    """A Generate call that yields one response and then hits a bug."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def __aiter__(self):  # noqa: ANN204
+        return self._responses()
+
+    async def _responses(self):  # noqa: ANN202
+        yield generate_pb2.GenerateResponse(request_id="r1", text="Hi")
+        raise RuntimeError("a bug mid-stream")
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeChannel:
+    def __init__(self) -> None:
+        self.calls: list[FailingStream] = []
+
+    def unary_stream(self, *args: object, **kwargs: object):  # noqa: ANN201
+        def start(request: object, metadata: object = None) -> FailingStream:
+            self.calls.append(FailingStream())
+            return self.calls[-1]
+        return start
+
+    def unary_unary(self, *args: object, **kwargs: object) -> None:
+        return None
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_bug_mid_stream_ends_it_with_an_error_event(caplog) -> None:
+    channel, metrics = FakeChannel(), GatewayMetrics()
+    http = await start_openai_http(ServedModel("tiny-target", 2048, 0), "127.0.0.1", 0, lambda: "unused",
+                                   lambda _: channel, metrics=metrics)
+    try:
+        async with aiohttp.ClientSession() as session, session.post(
+                f"http://127.0.0.1:{http.port}/v1/completions", json={**OK, "stream": True}) as r:
+            assert r.status == 200
+            events = [line.removeprefix("data: ") for line in (await r.text()).splitlines() if line]
+        assert json.loads(events[0])["choices"][0]["text"] == "Hi"
+        assert json.loads(events[-1])["error"]["type"] == "server_error" and "[DONE]" not in events
+        assert channel.calls[0].cancelled and "RuntimeError: a bug mid-stream" in caplog.text
         assert metrics.registry.get_sample_value("specmesh_request_errors_total", {"code": "INTERNAL"}) == 1
     finally:
         await http.close()
