@@ -1,6 +1,6 @@
 """Issue 12 end to end: prompts near the context limit (prefilled in chunks over a small step budget) beside many
 short drafted streams with random draft lengths, and a few cancels. No request fails, greedy outputs equal
-target-only greedy decoding, and every KV block comes back."""
+target-only greedy decoding, and every KV block comes back. Also: a fault in one draft session stays there."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from transformers import AutoTokenizer
 
 from protos.specmesh.v1 import generate_pb2_grpc
 from specmesh import client
+from specmesh.engine.errors import EngineError
 from specmesh.models import resolve_model_dir
+from specmesh.sampling import SamplingParams
 from tests.stack import reference_greedy, start_draft, start_gateway, start_verifier
 from tests.test_e2e_greedy import PROMPTS, generate, wait_blocks_free
 
@@ -73,3 +75,32 @@ async def test_near_context_prefills_beside_drafted_streams(tokenizer) -> None:
     finally:
         for running in (*gateways, same, unrelated, verifier):
             await running.stop()
+
+
+async def test_a_draft_fault_fails_only_its_proposal() -> None:
+    """The draft engine isolates faults the same way: one session's bug is INTERNAL for its caller only, the other
+    session's proposal is answered in the same steps, and the faulty session drafts again on its next call."""
+    running = await start_draft("tiny-draft", draft_ahead=False)
+    engine = running.engine
+    try:
+        real_sample = engine._sample
+        broken = {"bad"}
+
+        def sample(proposal, logits):
+            if proposal.session.session_id in broken:
+                raise RuntimeError("boom")
+            return real_sample(proposal, logits)
+
+        engine._sample = sample
+        context = list(range(10, 40))
+        calls = [engine.propose(sid, len(context), context, 4, SamplingParams(), 32) for sid in ("bad", "good")]
+        with pytest.raises(EngineError) as info:
+            await calls[0].future
+        assert info.value.code == "INTERNAL" and "boom" in str(info.value)
+        good = (await calls[1].future).draft_ids
+        assert len(good) == 4
+        broken.clear()
+        again = await engine.propose("bad", len(context), [], 4, SamplingParams(), 32).future
+        assert again.draft_ids == good                  # same model, same context: the same greedy drafts
+    finally:
+        await running.stop()
