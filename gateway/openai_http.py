@@ -41,8 +41,7 @@ from gateway.openai_protocol import (
     parse_completion,
     usage_dict,
 )
-from gateway.server import fetch_model_info
-from protos.specmesh.v1 import generate_pb2, generate_pb2_grpc, verifier_pb2_grpc
+from protos.specmesh.v1 import generate_pb2, generate_pb2_grpc
 from specmesh.channels import internal_channel
 from specmesh.config import GatewayConfig
 from specmesh.security import TENANT_HEADER, ApiKeys, Denied, resolve_tenant
@@ -257,16 +256,6 @@ class OpenAIHttp:
             if r.HasField("usage") and parsed.include_usage:
                 yield _sse(chunk_object(chat, r.request_id, self.model.name, created, None, None,
                                         usage_dict(r.usage)))
-
-
-async def served_model(config: GatewayConfig, wait_s: float = 600.0) -> ServedModel:
-    """The verifier's model, as /v1/models lists it (the name clients pass as `model`)."""
-    channel = internal_channel(config.verifier_addr, config.tls)
-    try:
-        info = await fetch_model_info(verifier_pb2_grpc.VerifierStub(channel), wait_s)
-    finally:
-        await channel.close()
-    return ServedModel(info.model_name, info.max_model_len, int(time.time()))
 
 
 def loopback_channel_factory(config: GatewayConfig) -> Callable[[str], grpc.aio.Channel]:

@@ -214,6 +214,26 @@ async def test_https_with_the_gateways_certificate(edge, certs) -> None:
         await https.close()
 
 
+async def test_https_requires_client_certificates_when_the_port_does(edge, certs) -> None:
+    tls = TlsConfig(tls_cert=str(certs / "gateway.pem"), tls_key=str(certs / "gateway.key"),
+                    tls_client_ca=str(certs / "client-ca.pem"))    # end users: the client CA
+    https = await start_openai_http(ServedModel("tiny-target", 2048, 0), "127.0.0.1", 0,
+                                    lambda: f"127.0.0.1:{edge['grpc_port']}", ssl_context=http_ssl_context(tls))
+    try:
+        with_cert = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+        with_cert.load_cert_chain(str(certs / "client.pem"), str(certs / "client.key"))
+        without_cert = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            url = f"https://127.0.0.1:{https.port}/v1/models"
+            async with session.get(url, ssl=with_cert) as r:
+                assert r.status == 200
+            with pytest.raises(aiohttp.ClientError):
+                async with session.get(url, ssl=without_cert) as r:
+                    await r.read()
+    finally:
+        await https.close()
+
+
 class BrokenTokenizer:
     chat_template = None
 
