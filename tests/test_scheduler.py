@@ -128,6 +128,8 @@ def test_queue_operations() -> None:
         scheduler.enqueue(req)
     assert len(scheduler) == scheduler.num_waiting == 3 and list(scheduler) == requests
     assert isinstance(scheduler.waiting, tuple)            # a snapshot: the queue cannot be edited through it
+    with pytest.raises(AttributeError):
+        scheduler.waiting = []                             # type: ignore[misc]
     with pytest.raises(ValueError):
         scheduler.enqueue(verify_request(seqs[0], 0))      # one queued request per sequence
     assert scheduler.remove(requests[1]) and not scheduler.remove(requests[1])
