@@ -7,8 +7,10 @@ import logging
 import sys
 import time
 
+import grpc
+
 from gateway.http_edge import http_ssl_context
-from gateway.openai_http import ServedModel, loopback_channel_factory, loopback_target, start_openai_http
+from gateway.openai_http import ServedModel, add_loopback_port, start_openai_http
 from gateway.server import build_gateway_parts
 from specmesh.config import GatewayConfig, load_config
 from specmesh.grpc_server import serve_until_signal
@@ -24,10 +26,10 @@ async def _main(argv: list[str]) -> None:
     if config.http_port:
         ssl_context = http_ssl_context(config.tls)
         model = ServedModel(gateway.model.name, gateway.model.max_model_len, int(time.time()))
-        http = await start_openai_http(model, config.host, config.http_port,
-                                       lambda: loopback_target(config.host, server.port),
-                                       loopback_channel_factory(config), gateway.metrics, gateway.tokenizer,
-                                       ssl_context, load_api_keys(config))
+        loopback = add_loopback_port(server)
+        http = await start_openai_http(model, config.host, config.http_port, lambda: loopback,
+                                       grpc.aio.insecure_channel, gateway.metrics, gateway.tokenizer, ssl_context,
+                                       load_api_keys(config))
         server.on_stop.append(http.close)
         logging.getLogger(__name__).info("OpenAI-compatible HTTP API on %s://%s:%d/v1",
                                          "https" if ssl_context else "http", config.host, http.port)

@@ -17,7 +17,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import shutil
 import ssl
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -44,6 +46,7 @@ from gateway.openai_protocol import (
 from protos.specmesh.v1 import generate_pb2, generate_pb2_grpc
 from specmesh.channels import internal_channel
 from specmesh.config import GatewayConfig
+from specmesh.grpc_server import ServiceServer
 from specmesh.security import TENANT_HEADER, ApiKeys, Denied, resolve_tenant
 from specmesh.telemetry.metrics import GatewayMetrics
 
@@ -149,8 +152,8 @@ class OpenAIHttp:
             status = f"gateway gRPC port: {exc.code().name}"
         if status == "SERVING":
             return web.json_response({"status": "ok", "model": self.model.name})
-        error = ApiError(503, f"the gateway cannot serve ({status}): no verifier replica answers", "server_error",
-                         code="service_unavailable")
+        reason = "no verifier replica answers" if status == "NOT_SERVING" else status
+        error = ApiError(503, f"the gateway cannot serve: {reason}", "server_error", code="service_unavailable")
         return web.json_response({"status": "unavailable", **error.body()}, status=503)
 
     async def prometheus(self, _: web.Request) -> web.Response:
@@ -256,6 +259,23 @@ class OpenAIHttp:
             if r.HasField("usage") and parsed.include_usage:
                 yield _sse(chunk_object(chat, r.request_id, self.model.name, created, None, None,
                                         usage_dict(r.usage)))
+
+
+def add_loopback_port(server: ServiceServer) -> str:
+    """A plaintext Unix-socket port of the gateway's gRPC server for its own HTTP API, in a new directory only this
+    user may enter. The HTTP API then needs no client certificate that the public port would accept (with
+    tls_client_ca the public port takes only end-user certificates); API keys and everything else still apply.
+    Call before the server starts; returns the target for the HTTP API's channel."""
+    directory = tempfile.mkdtemp(prefix="specmesh-gateway-")          # mode 0700
+    target = f"unix:{directory}/grpc.sock"
+    if server.server.add_insecure_port(target) == 0:
+        raise RuntimeError(f"cannot bind the HTTP API's loopback {target}")
+
+    async def remove() -> None:
+        shutil.rmtree(directory, ignore_errors=True)
+
+    server.on_stop.append(remove)
+    return target
 
 
 def loopback_channel_factory(config: GatewayConfig) -> Callable[[str], grpc.aio.Channel]:

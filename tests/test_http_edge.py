@@ -16,7 +16,7 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.http_edge import http_ssl_context
-from gateway.openai_http import ServedModel, start_openai_http
+from gateway.openai_http import ServedModel, add_loopback_port, start_openai_http
 from gateway.server import build_gateway_parts
 from protos.specmesh.v1 import generate_pb2
 from specmesh.config import GatewayConfig, TlsConfig
@@ -104,7 +104,7 @@ async def edge():
                                    metrics=gateway.metrics, tokenizer=gateway.tokenizer)
     session = aiohttp.ClientSession(base_url=f"http://127.0.0.1:{http.port}",
                                     timeout=aiohttp.ClientTimeout(total=120))
-    yield {"session": session, "gateway": gateway, "http": http, "grpc_port": port}
+    yield {"session": session, "gateway": gateway, "http": http, "grpc_port": port, "verifier": verifier.addr}
     await session.close()
     await http.close()
     await gateway.server.stop(0)
@@ -232,6 +232,27 @@ async def test_https_requires_client_certificates_when_the_port_does(edge, certs
                     await r.read()
     finally:
         await https.close()
+
+
+async def test_the_http_api_reaches_a_gateway_port_that_takes_only_end_user_certificates(edge, certs) -> None:
+    tls = TlsConfig(tls_cert=str(certs / "gateway.pem"), tls_key=str(certs / "gateway.key"),
+                    tls_client_ca=str(certs / "client-ca.pem"))
+    config = GatewayConfig(port=0, verifier_addr=edge["verifier"], draft_addr="", enable_cache=False,
+                           enable_ngram=False, tls=tls)
+    gateway = await build_gateway_parts(config, wait_for_verifier_s=30)
+    loopback = add_loopback_port(gateway.server)                 # what `python -m gateway` does
+    await gateway.server.start("127.0.0.1", 0)
+    http = await start_openai_http(ServedModel("tiny-target", 2048, 0), "127.0.0.1", 0, lambda: loopback)
+    try:
+        async with aiohttp.ClientSession() as session, session.post(
+                f"http://127.0.0.1:{http.port}/v1/completions", json=OK) as r:
+            assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 4
+        socket_dir = Path(loopback.removeprefix("unix:")).parent
+        assert socket_dir.stat().st_mode & 0o077 == 0                # only the gateway's user may connect
+    finally:
+        await http.close()
+        await gateway.server.stop(0)
+    assert not socket_dir.exists()
 
 
 class BrokenTokenizer:
