@@ -287,11 +287,6 @@ def loopback_channel_factory(config: GatewayConfig) -> Callable[[str], grpc.aio.
     return lambda addr: internal_channel(addr, config.tls)
 
 
-def loopback_target(host: str, port: int) -> str:
-    """Where the gateway's own gRPC server is reachable from inside its process."""
-    return f"127.0.0.1:{port}" if host in ("", "0.0.0.0", "::", "[::]") else f"{host}:{port}"
-
-
 async def start_openai_http(model: ServedModel, host: str, port: int, grpc_target: Callable[[], str],
                             channel_factory: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
                             metrics: GatewayMetrics | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
