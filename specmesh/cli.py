@@ -12,7 +12,6 @@ import signal
 import sys
 import tempfile
 import time
-from typing import NoReturn
 
 import grpc
 
@@ -275,9 +274,9 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc} (rerun with --debug for the traceback)"
 
 
-def _fail(message: str, code: int = 1) -> NoReturn:
+def _fail(message: str, code: int = 1) -> int:
     print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(code)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,11 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if args.debug:
             raise
-        _fail("interrupted", 130)
+        return _fail("interrupted", 130)
     except Exception as exc:  # noqa: BLE001 -- one line for the user; --debug keeps the traceback
         if args.debug:
             raise
-        _fail(error_text(exc))
+        return _fail(error_text(exc))
 
 
 if __name__ == "__main__":

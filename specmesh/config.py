@@ -56,7 +56,7 @@ class VerifierConfig:
     port: int = 50061
     engine: EngineConfig = EngineConfig()
     max_draft_tokens: int = 64         # draft tokens per Verify (more: INVALID_ARGUMENT)
-    session_lease_s: float = 30.0      # a session with no call for this long is ended and its KV freed
+    session_lease_s: float = 60.0      # no call for this long: the session is ended and its KV freed (> draft timeout)
     telemetry: TelemetryConfig = TelemetryConfig()
     tls: TlsConfig = TlsConfig()
 
@@ -70,7 +70,7 @@ class DraftConfig:
     max_draft_tokens: int = 16
     draft_ahead: bool = True           # keep drafting the next block while the verifier works
     head_vocab: int = 0                # > 0: draft only from the first N token ids (+ special tokens); 0 = all
-    session_lease_s: float = 30.0      # a session with no call for this long is ended and its KV freed
+    session_lease_s: float = 60.0      # no call for this long: the session is ended and its KV freed (> draft timeout)
     telemetry: TelemetryConfig = TelemetryConfig()
     tls: TlsConfig = TlsConfig()
 

@@ -83,4 +83,4 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                       block_size=bm.block_size, num_kv_blocks=bm.num_blocks,
                                       num_free_kv_blocks=bm.num_free_blocks,
                                       num_sessions=len(self.engine.sessions),
-                                      num_waiting=len(self.engine.scheduler.waiting))
+                                      num_waiting=self.engine.scheduler.num_waiting)
