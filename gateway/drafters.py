@@ -32,6 +32,9 @@ class Draft:
     token_ids: list[int]
     dists: list[SparseDist] | None          # None: greedy or one-hot drafts
     source: int                             # common_pb2.DraftSource
+    # A token tree: parents[i] = index of node i's parent among the drafts, -1 = a child of the pending token;
+    # topological (parents[i] < i). None = a chain ([-1, 0, 1, ..., k-2]), today's drafts.
+    parents: list[int] | None = None
 
 
 NO_DRAFT = Draft([], None, common_pb2.DRAFT_SOURCE_NONE)

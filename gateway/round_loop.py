@@ -15,7 +15,7 @@ import grpc
 from opentelemetry.context import Context
 
 from gateway.adaptive import DraftLengthController
-from gateway.drafters import NO_DRAFT, Drafter
+from gateway.drafters import NO_DRAFT, Draft, Drafter
 from gateway.round_spans import end_session_span, prefill_span, record_round, round_span
 from gateway.validation import GenerationParams
 from protos.specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -86,9 +86,7 @@ class Generation:
                 started = time.perf_counter()
                 draft = await self.drafter.propose(context, num_draft) if self.drafter else NO_DRAFT
                 drafted = time.perf_counter()
-                verify = self.verifier.Verify(verifier_pb2.VerifyRequest(
-                    session_id=self.session_id, owner_token=self.owner_token, draft_token_ids=draft.token_ids,
-                    draft_dists=sparse_dists_to_proto(draft.dists or [])), timeout=self.timeout_s)
+                verify = self.verifier.Verify(self._verify_request(draft), timeout=self.timeout_s)
                 if self.prefetch and self.drafter is not None:
                     # The next block crosses the draft link while the verifier works (used if all is accepted).
                     self.drafter.prefetch(context, draft, min(wanted, max(remaining - len(draft.token_ids) - 2, 0)))
@@ -103,6 +101,14 @@ class Generation:
             if self.drafter is not None:
                 self.drafter.observe(draft, result.num_accepted, self.output_ids)
             yield RoundOutput(round_index, tokens, len(draft.token_ids), result.num_accepted, draft.source)
+
+    def _verify_request(self, draft: Draft) -> verifier_pb2.VerifyRequest:
+        request = verifier_pb2.VerifyRequest(
+            session_id=self.session_id, owner_token=self.owner_token, draft_token_ids=draft.token_ids,
+            draft_dists=sparse_dists_to_proto(draft.dists or []))
+        if draft.parents is not None:               # a tree (empty draft_parents on the wire = a chain)
+            request.draft_parents.extend(draft.parents)
+        return request
 
     async def _start_session(self) -> verifier_pb2.StartSessionResponse:
         """Opens the session on the first replica that takes it. Nothing has been streamed yet, so a replica that
