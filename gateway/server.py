@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from specmesh.channels import internal_channel
 from specmesh.config import GatewayConfig
 from specmesh.grpc_server import ServiceServer
 from specmesh.models import resolve_model_dir
-from specmesh.security import api_key_interceptors, server_credentials
+from specmesh.security import PUBLIC_METHOD_PREFIX, api_key_interceptors, load_api_keys, server_credentials
 from specmesh.telemetry.metrics import GatewayMetrics, StatsCollector, start_metrics
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,15 @@ async def fetch_model_info(stub: verifier_pb2_grpc.VerifierStub, wait_s: float) 
             if asyncio.get_running_loop().time() > deadline:
                 raise RuntimeError(f"verifier not reachable: {exc.code().name} {exc.details()}") from exc
             await asyncio.sleep(0.5)
+
+
+def public_refusal_counter(metrics: GatewayMetrics) -> Callable[[str, grpc.StatusCode], None]:
+    """Counts public calls refused before the servicer ran (API key, undecodable bytes) in the error metric, like
+    the servicer's own refusals and the HTTP API's."""
+    def count(method: str, code: grpc.StatusCode) -> None:
+        if method.startswith(PUBLIC_METHOD_PREFIX):
+            metrics.errors.labels(code.name).inc()
+    return count
 
 
 def load_tokenizer(ref: str, cache_dir: str) -> PreTrainedTokenizerBase:
@@ -60,7 +70,7 @@ async def build_gateway(config: GatewayConfig, wait_for_verifier_s: float = 600.
 
 
 async def build_gateway_parts(config: GatewayConfig, wait_for_verifier_s: float = 600.0) -> Gateway:
-    credentials, interceptors = server_credentials(config.tls), api_key_interceptors(config)   # fail fast
+    credentials, keys = server_credentials(config.tls), load_api_keys(config)   # fail fast
     addrs = [a.strip() for a in config.verifier_addr.split(",") if a.strip()]
     if not addrs:
         raise ValueError("verifier_addr must name at least one verifier (host:port[,host:port...])")
@@ -75,7 +85,9 @@ async def build_gateway_parts(config: GatewayConfig, wait_for_verifier_s: float 
     metrics = GatewayMetrics()
     servicer = GenerationServicer(config, tokenizer, model, verifiers, draft, tiers, metrics)
     log.info("gateway for %s (context %d, draft %s)", info.model_name, info.max_model_len, config.draft_addr or "off")
-    server = ServiceServer([SERVICE_NAME], lambda s: add_generation_servicer(servicer, s), credentials, interceptors)
+    refusals = public_refusal_counter(metrics)
+    server = ServiceServer([SERVICE_NAME], lambda s: add_generation_servicer(servicer, s), credentials,
+                           api_key_interceptors(keys, refusals), on_refused=refusals)
     metrics.registry.register(StatsCollector(server.stats))       # tier hits, draft-link bytes
     server.metrics = start_metrics(config.telemetry, config.host, metrics.registry)
     watch = VerifierWatch(verifiers, addrs, server.set_ready)     # gRPC health (and HTTP /health) follow it

@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specmesh.rpc_guard import RpcGuard, status_code
+from specmesh.rpc_guard import RefusalHook, RpcGuard, status_code
 from specmesh.telemetry.metrics import MetricsServer
 from specmesh.telemetry.tracing import server_interceptors
 
@@ -33,10 +33,11 @@ class ServiceServer:
 
     def __init__(self, service_names: Sequence[str], add_servicers: Callable[[grpc.aio.Server], None],
                  credentials: grpc.ServerCredentials | None = None,
-                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                 on_refused: RefusalHook | None = None) -> None:
         # RpcGuard innermost: it sees the servicer's own exceptions; the others see the status it sets.
         self.server = grpc.aio.server(options=SERVER_OPTIONS,
-                                      interceptors=[*server_interceptors(), *interceptors, RpcGuard()])
+                                      interceptors=[*server_interceptors(), *interceptors, RpcGuard(on_refused)])
         self.credentials = credentials              # TLS (specmesh.security.server_credentials); None = plaintext
         add_servicers(self.server)
         self.health = health.aio.HealthServicer()

@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 Deserializer = Callable[[bytes], Any]
 Behavior = Callable[[Any, grpc.aio.ServicerContext], Any]
+# Told of a call refused before its servicer ran (method, status): the gateway counts these in its error metric.
+RefusalHook = Callable[[str, grpc.StatusCode], None]
 
 
 @dataclass(frozen=True)
@@ -67,15 +69,19 @@ async def _abort_for(exc: Exception, method: str, context: grpc.aio.ServicerCont
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the service log")
 
 
-async def _reject_undecodable(request: Any, context: grpc.aio.ServicerContext) -> None:
+async def _reject_undecodable(request: Any, context: grpc.aio.ServicerContext, method: str,
+                              on_refused: RefusalHook | None) -> None:
     if isinstance(request, UndecodableRequest):
+        if on_refused is not None:
+            on_refused(method, grpc.StatusCode.INVALID_ARGUMENT)
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                             f"request is not a valid {request.message_type}: {request.reason}")
 
 
-def guard_unary(behavior: Behavior, method: str) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+def guard_unary(behavior: Behavior, method: str, on_refused: RefusalHook | None = None
+                ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await _reject_undecodable(request, context)
+        await _reject_undecodable(request, context, method, on_refused)
         try:
             result = behavior(request, context)
             return await result if inspect.isawaitable(result) else result
@@ -86,9 +92,10 @@ def guard_unary(behavior: Behavior, method: str) -> Callable[[Any, grpc.aio.Serv
     return unary
 
 
-def guard_stream(behavior: Behavior, method: str) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
+def guard_stream(behavior: Behavior, method: str, on_refused: RefusalHook | None = None
+                 ) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
     async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        await _reject_undecodable(request, context)
+        await _reject_undecodable(request, context, method, on_refused)
         try:
             result = behavior(request, context)
             if inspect.isasyncgen(result):
@@ -103,23 +110,29 @@ def guard_stream(behavior: Behavior, method: str) -> Callable[[Any, grpc.aio.Ser
     return stream
 
 
-def guard_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+def guard_handler(handler: grpc.RpcMethodHandler, method: str,
+                  on_refused: RefusalHook | None = None) -> grpc.RpcMethodHandler:
     """The same method with a safe parser and error mapping (methods with a request stream: unchanged)."""
     parse = safe_deserializer(handler.request_deserializer)
     if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(guard_unary(handler.unary_unary, method), parse,
+        return grpc.unary_unary_rpc_method_handler(guard_unary(handler.unary_unary, method, on_refused), parse,
                                                    handler.response_serializer)
     if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(guard_stream(handler.unary_stream, method), parse,
+        return grpc.unary_stream_rpc_method_handler(guard_stream(handler.unary_stream, method, on_refused), parse,
                                                     handler.response_serializer)
     return handler
 
 
 class RpcGuard(grpc.aio.ServerInterceptor):
-    """Installed innermost on every ServiceServer (specmesh/grpc_server.py): see the module docstring."""
+    """Installed innermost on every ServiceServer (specmesh/grpc_server.py): see the module docstring.
+
+    on_refused: told of each call refused as undecodable (its servicer never runs, so it cannot count it)."""
+
+    def __init__(self, on_refused: RefusalHook | None = None) -> None:
+        self.on_refused = on_refused
 
     async def intercept_service(
             self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
             details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        return handler if handler is None else guard_handler(handler, details.method)
+        return handler if handler is None else guard_handler(handler, details.method, self.on_refused)

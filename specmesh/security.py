@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 
 from specmesh.config import GatewayConfig, TlsConfig
+from specmesh.rpc_guard import RefusalHook
 
 PUBLIC_METHOD_PREFIX = "/specmesh.v1.Generation/"
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -166,11 +167,13 @@ def _same_shape(handler: grpc.RpcMethodHandler, unary: Callable, stream: Callabl
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Checks `authorization: Bearer <key>` and the tenant header on the public API's methods (`resolve_tenant`)."""
 
-    def __init__(self, keys: ApiKeys, prefix: str = PUBLIC_METHOD_PREFIX) -> None:
+    def __init__(self, keys: ApiKeys, prefix: str = PUBLIC_METHOD_PREFIX,
+                 on_refused: RefusalHook | None = None) -> None:
         if not keys:
             raise ValueError("ApiKeyInterceptor needs at least one key")
         self.keys = keys
         self.prefix = prefix
+        self.on_refused = on_refused             # told of each refusal (the gateway's error metric)
 
     async def intercept_service(
             self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -179,12 +182,15 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not details.method.startswith(self.prefix):
             return handler
         verdict = tenant_of(self.keys, details.invocation_metadata)
-        return _denied(handler, verdict.code, verdict.message) if isinstance(verdict, Denied) else handler
+        if not isinstance(verdict, Denied):
+            return handler
+        if self.on_refused is not None:
+            self.on_refused(details.method, verdict.code)
+        return _denied(handler, verdict.code, verdict.message)
 
 
-def api_key_interceptors(config: GatewayConfig) -> list[grpc.aio.ServerInterceptor]:
-    keys = load_api_keys(config)
-    return [ApiKeyInterceptor(keys)] if keys else []
+def api_key_interceptors(keys: ApiKeys, on_refused: RefusalHook | None = None) -> list[grpc.aio.ServerInterceptor]:
+    return [ApiKeyInterceptor(keys, on_refused=on_refused)] if keys else []
 
 
 def parse_peer_names(text: str) -> frozenset[str]:
