@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 from collections.abc import Sequence
@@ -16,16 +17,13 @@ from typing import Protocol
 
 import grpc
 
+from gateway.draft_link import BACKOFF_ROUNDS, DraftLink, LinkCall, OnError
 from protos.specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specmesh.proto_convert import sampling_to_proto
 from specmesh.rejection import SparseDist
 from specmesh.sampling import SamplingParams
-from specmesh.token_ids import common_prefix_len
 
 log = logging.getLogger(__name__)
-
-BACKOFF_ROUNDS = 8   # rounds without model drafts after a draft-service failure
-
 
 @dataclass(frozen=True)
 class Draft:
@@ -65,6 +63,8 @@ class _Prefetch:
 
 @dataclass
 class ModelDrafter:
+    """The gateway half of the draft link: `DraftLink` (gateway/draft_link.py) decides what each Propose carries and
+    what a failed one means; this class makes the calls, holds the prefetch task and counts the link's traffic."""
     stub: draft_pb2_grpc.DraftStub
     session_id: str
     sampling: SamplingParams
@@ -73,28 +73,31 @@ class ModelDrafter:
     # Chosen here and sent on every call: the Propose that creates the draft session binds it, and the service
     # refuses the session's calls without it. It binds again when the service lost the session (whole context).
     owner_token: str = field(default_factory=lambda: secrets.token_urlsafe(16), repr=False)
-    # What the draft service holds as its context: `num_synced` tokens of the verified context, then `spec_ids`
-    # (draft tokens a prefetch told it to assume accepted). The next call sends everything after the longest
-    # prefix of that which is still right.
-    num_synced: int = 0
-    spec_ids: list[int] = field(default_factory=list)
-    skip_rounds: int = 0
-    num_failures: int = field(default=0)
+    link: DraftLink = field(default_factory=DraftLink)
     num_prefetch_hits: int = 0               # rounds drafted from a prefetch (no draft-link round trip waited for)
     bytes_sent: int = 0                      # serialized Propose requests / responses (the draft link's traffic)
     bytes_received: int = 0
     _prefetch: _Prefetch | None = None
-    _num_calls: int = 0
+
+    @property
+    def num_failures(self) -> int:
+        return self.link.num_failures
+
+    @property
+    def skip_rounds(self) -> int:
+        return self.link.backoff_rounds
 
     async def prefill(self, prompt_ids: list[int], num_tokens: int) -> None:
         """Propose nothing yet, but let the draft service prefill and draft `num_tokens + 1` ahead (its guess of
         the target's first token, then a block after it). Failures are left for the first real round."""
         if num_tokens <= 0:
             return
+        call = self.link.send(prompt_ids)
         try:
-            await self._call(prompt_ids, 0, num_ahead_tokens=num_tokens + 1)
+            await self._call(call, 0, num_ahead_tokens=num_tokens + 1)
         except grpc.aio.AioRpcError:
-            self._desync()
+            if call.call_id == self.link.num_calls:
+                self.link.unbind()
 
     def prefetch(self, context_ids: list[int], draft: Draft, num_tokens: int) -> None:
         """Called as the verifier starts on `draft`: ask now for the block after it, assuming the whole draft is
@@ -102,36 +105,34 @@ class ModelDrafter:
         answer crosses the draft link while the verifier works; `propose` uses it when the guess came true and
         otherwise drops it (the service supersedes a stale prefetch when the next Propose arrives)."""
         self._drop_prefetch()
-        if num_tokens <= 0 or self.skip_rounds > 0 or draft.source != common_pb2.DRAFT_SOURCE_MODEL \
-                or not draft.token_ids:
+        if num_tokens <= 0 or self.link.backoff_rounds > 0 or draft.source != common_pb2.DRAFT_SOURCE_MODEL \
+                or not draft.token_ids or draft.parents is not None:
             return
-        task = asyncio.ensure_future(self._call(context_ids + draft.token_ids, num_tokens + 1,
-                                                num_verified=len(context_ids)))
-        task.add_done_callback(_swallow)
+        call = self.link.send(context_ids + draft.token_ids, num_verified=len(context_ids))
+        task = asyncio.ensure_future(self._call(call, num_tokens + 1))
+        task.add_done_callback(functools.partial(self._prefetch_done, call))
         self._prefetch = _Prefetch(len(context_ids), list(draft.token_ids), task)
 
     async def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
         prefetched = await self._take_prefetch(context_ids, num_tokens)
         if prefetched is not None:
             return prefetched
-        if num_tokens <= 0:
+        if num_tokens <= 0 or not self.link.round_allowed():
             return NO_DRAFT
-        if self.skip_rounds > 0:
-            self.skip_rounds -= 1
-            return NO_DRAFT
-        try:
-            response = await self._call(context_ids, num_tokens)
-        except grpc.aio.AioRpcError as exc:
-            # _call has dropped the sync state, so the next call resends the whole context.
-            if exc.code() == grpc.StatusCode.ABORTED:       # overtaken by a stale prefetch: skip one round
+        for _ in range(2):                        # at most one whole-context resend
+            call = self.link.send(context_ids)
+            try:
+                response = await self._call(call, num_tokens)
+            except grpc.aio.AioRpcError as exc:
+                verdict = self.link.on_error(call, exc.code().name)
+                if verdict is OnError.RESEND_WHOLE:
+                    continue
+                if verdict is OnError.FAILURE:
+                    log.warning("draft service failed (%s: %s); target-only for %d rounds", exc.code().name,
+                                exc.details(), BACKOFF_ROUNDS)
                 return NO_DRAFT
-            if exc.code() != grpc.StatusCode.NOT_FOUND:
-                return self._failed(exc)
-            try:                                  # the draft service lost the session: resend the whole context
-                response = await self._call(context_ids, num_tokens)
-            except grpc.aio.AioRpcError as exc2:
-                return self._failed(exc2)
-        return _to_draft(response.draft_token_ids, response.draft_dists)
+            return _to_draft(response.draft_token_ids, response.draft_dists)
+        return NO_DRAFT
 
     async def _take_prefetch(self, context_ids: list[int], num_tokens: int) -> Draft | None:
         """The prefetched block if the verified context is what it assumed: the whole draft, then the guess."""
@@ -155,47 +156,29 @@ class ModelDrafter:
         return self._prefetch is not None
 
     def _drop_prefetch(self) -> None:
-        self._prefetch = None                     # its task finishes (or is ABORTED) on its own; _swallow reads it
+        self._prefetch = None                     # its task ends (or is ABORTED) on its own; _prefetch_done reads it
 
-    async def _call(self, context_ids: list[int], num_tokens: int, num_ahead_tokens: int = 0,
-                    num_verified: int | None = None) -> draft_pb2.ProposeResponse:
-        """Proposes after `context_ids`; its first `num_verified` tokens (default all) are verified, the rest are
-        assumed. The sync state is updated when the request is sent: a later call may go out before this one's
-        answer arrives, and the service handles a session's calls in order."""
-        base = self.num_synced + common_prefix_len(self.spec_ids, context_ids[self.num_synced:])
-        base = min(base, len(context_ids))
-        verified = len(context_ids) if num_verified is None else num_verified
+    def _prefetch_done(self, call: LinkCall, task: asyncio.Task[draft_pb2.ProposeResponse]) -> None:
+        """A prefetch's failure goes through the link like any call's (read here, so asyncio does not log it)."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if isinstance(exc, grpc.aio.AioRpcError):
+            self.link.on_error(call, exc.code().name)
+
+    async def _call(self, call: LinkCall, num_tokens: int, num_ahead_tokens: int = 0) -> draft_pb2.ProposeResponse:
         request = draft_pb2.ProposeRequest(
-            session_id=self.session_id, owner_token=self.owner_token, context_len=len(context_ids),
-            new_token_ids=context_ids[base:],
-            num_draft_tokens=num_tokens, sampling=sampling_to_proto(self.sampling), max_q_entries=self.max_q_entries,
-            num_ahead_tokens=num_ahead_tokens, num_assumed_tokens=len(context_ids) - verified)
-        self.num_synced, self.spec_ids = verified, list(context_ids[verified:])
-        self._num_calls += 1
-        call = self._num_calls
+            session_id=self.session_id, owner_token=self.owner_token, context_len=call.context_len,
+            new_token_ids=call.new_token_ids, num_draft_tokens=num_tokens, sampling=sampling_to_proto(self.sampling),
+            max_q_entries=self.max_q_entries, num_ahead_tokens=num_ahead_tokens,
+            num_assumed_tokens=call.num_assumed_tokens)
         self.bytes_sent += request.ByteSize()
-        try:
-            response = await self.stub.Propose(request, timeout=self.timeout_s)
-        except grpc.aio.AioRpcError:
-            if call == self._num_calls:           # a later call's sync state stands (e.g. it superseded this one)
-                self._desync()
-            raise
+        response = await self.stub.Propose(request, timeout=self.timeout_s)
         self.bytes_received += response.ByteSize()
         return response
 
-    def _desync(self) -> None:
-        self.num_synced, self.spec_ids = 0, []
-
     def observe(self, draft: Draft, num_accepted: int, output_ids: list[int]) -> None:
         pass                                      # the next Propose carries the verified tokens
-
-    def _failed(self, exc: grpc.aio.AioRpcError) -> Draft:
-        self.num_failures += 1
-        self._desync()                            # resync fully when drafting resumes (the service may restart)
-        self.skip_rounds = BACKOFF_ROUNDS
-        log.warning("draft service failed (%s: %s); target-only for %d rounds", exc.code().name, exc.details(),
-                    BACKOFF_ROUNDS)
-        return NO_DRAFT
 
     async def close(self) -> None:
         if self._prefetch is not None:
@@ -211,9 +194,3 @@ class ModelDrafter:
 def _to_draft(token_ids: Sequence[int], dists: Sequence[common_pb2.SparseDist]) -> Draft:
     return Draft(list(token_ids), [SparseDist(tuple(d.token_ids), tuple(d.probs)) for d in dists] or None,
                  common_pb2.DRAFT_SOURCE_MODEL)
-
-
-def _swallow(task: asyncio.Task[draft_pb2.ProposeResponse]) -> None:
-    """A dropped prefetch's outcome is not needed; reading it keeps asyncio from logging it as unretrieved."""
-    if not task.cancelled():
-        task.exception()

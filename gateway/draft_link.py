@@ -1,0 +1,113 @@
+"""The client half of the draft link (the protocol is written down in protos/specmesh/v1/draft.proto).
+
+A small state machine on plain ints and token lists: no gRPC, no asyncio, no clock. `ModelDrafter` sends what
+`send()` says and reports every failed call with `on_error()`, which answers what to do next.
+
+States
+    UNBOUND   the service holds nothing of ours that we may rely on: the next call sends the whole context (which
+              (re)binds the session to our owner token).
+    SYNCED    the service holds `num_synced` verified tokens of our context, then `spec_ids` (a draft block a
+              prefetch told it to assume accepted). The next call sends everything after the longest prefix of that
+              which is still right.
+    BACKOFF   the service failed: no calls for `backoff_rounds` more rounds, then UNBOUND.
+
+Transitions
+    send(context, num_verified)             UNBOUND / SYNCED -> SYNCED(num_verified, context[num_verified:])
+        Optimistic: the state is updated when the call is SENT. The service handles one session's calls in order,
+        so a later call (e.g. the Propose after a prefetch) may be computed against it before its answer arrives.
+    on_error(call, code), call not the latest  SKIP, no change: the latest call's sync stands (it fails too if the
+                                               service is gone, and decides then).
+    on_error(latest, ABORTED | CANCELLED)   -> UNBOUND; SKIP (overtaken by an earlier-sent call of ours that
+                                               arrived later / session ended: what the service holds is unknown).
+    on_error(latest, NOT_FOUND)             -> UNBOUND; RESEND_WHOLE now (the service lost the session: restart,
+                                               lease expiry). A whole-context call that gets NOT_FOUND: as below.
+    on_error(latest, anything else)         -> BACKOFF(BACKOFF_ROUNDS); FAILURE (rounds go target-only). This
+                                               includes PERMISSION_DENIED (another owner holds the session id).
+    round_allowed()                         BACKOFF(n) -> BACKOFF(n - 1), and -> UNBOUND after the last round.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from specmesh.token_ids import common_prefix_len
+
+BACKOFF_ROUNDS = 8   # rounds without model drafts after a draft-service failure
+
+
+class LinkState(enum.Enum):
+    UNBOUND = "unbound"
+    SYNCED = "synced"
+    BACKOFF = "backoff"
+
+
+class OnError(enum.Enum):
+    RESEND_WHOLE = "resend_whole"    # call again now: the whole context (rebinds the owner token)
+    SKIP = "skip"                    # this call's answer is gone; no draft this time, the link is fine
+    FAILURE = "failure"              # the service failed: target-only for a while
+
+
+@dataclass(frozen=True)
+class LinkCall:
+    """One Propose's sync part: `new_token_ids` go at position `context_len - len(new_token_ids)`."""
+    call_id: int
+    context_len: int
+    new_token_ids: list[int]
+    num_assumed_tokens: int          # the context's last tokens that are a guess (prefetch), not verified
+
+    @property
+    def whole_context(self) -> bool:
+        return len(self.new_token_ids) == self.context_len
+
+
+@dataclass
+class DraftLink:
+    num_synced: int = 0
+    spec_ids: list[int] = field(default_factory=list)
+    bound: bool = False              # a call was sent since the last UNBOUND
+    backoff_rounds: int = 0
+    num_calls: int = 0               # id of the latest call sent
+    num_failures: int = 0
+    num_resends: int = 0             # whole-context resends after NOT_FOUND (service restart, lease expiry)
+
+    @property
+    def state(self) -> LinkState:
+        if self.backoff_rounds > 0:
+            return LinkState.BACKOFF
+        return LinkState.SYNCED if self.bound else LinkState.UNBOUND
+
+    def round_allowed(self) -> bool:
+        """Called once per round that wants model drafts: False while backing off (uses up one round)."""
+        if self.backoff_rounds > 0:
+            self.backoff_rounds -= 1
+            return False
+        return True
+
+    def send(self, context_ids: list[int], num_verified: int | None = None) -> LinkCall:
+        """The next Propose's sync part for `context_ids`, whose first `num_verified` (default all) are verified."""
+        verified = len(context_ids) if num_verified is None else num_verified
+        base = 0
+        if self.bound:
+            base = self.num_synced + common_prefix_len(self.spec_ids, context_ids[self.num_synced:])
+            base = min(base, len(context_ids), self.num_synced + len(self.spec_ids))
+        self.num_synced, self.spec_ids, self.bound = verified, list(context_ids[verified:]), True
+        self.num_calls += 1
+        return LinkCall(self.num_calls, len(context_ids), list(context_ids[base:]), len(context_ids) - verified)
+
+    def on_error(self, call: LinkCall, code: str) -> OnError:
+        """`code`: the gRPC status name of the failed call."""
+        if call.call_id != self.num_calls:
+            return OnError.SKIP          # a later call was sent: its sync stands
+        self.unbind()
+        if code in ("ABORTED", "CANCELLED"):
+            return OnError.SKIP
+        if code == "NOT_FOUND" and not call.whole_context:
+            self.num_resends += 1
+            return OnError.RESEND_WHOLE
+        self.num_failures += 1
+        self.backoff_rounds = BACKOFF_ROUNDS
+        return OnError.FAILURE
+
+    def unbind(self) -> None:
+        self.num_synced, self.spec_ids, self.bound = 0, [], False
