@@ -1,4 +1,5 @@
 """Drafting tiers: the draft cache, then n-gram lookup in the request's own context, then the draft service.
+With `suffix_drafting` on, one suffix-tree proposer replaces the first two (gateway/suffix_drafter.py).
 
 The first tier with a proposal drafts the round. Cache and n-gram drafts are one-hot proposals (dists=None), so
 the verifier's rejection sampling keeps every tier lossless at any temperature; a wrong draft only costs a few
@@ -19,6 +20,7 @@ from gateway.validation import GenerationParams
 from kvstore import CacheSettings, open_cache
 from kvstore.base import MAX_CONTINUATION_TOKENS, DraftCache
 from kvstore.factory import parse_lens
+from kvstore.suffix_store import open_suffix_store
 from protos.specmesh.v1 import common_pb2
 from specmesh.config import GatewayConfig
 from specmesh.security import TENANT_HEADER, ApiKeys, Denied, Metadata, load_api_keys, tenant_of
@@ -36,6 +38,8 @@ class TierSettings:
     ngram_sizes: tuple[int, ...] = (4, 3)
     local_max_tokens: int = 16              # longest cache / n-gram draft per round
     context_tail: int = 8                   # context tokens the cache keys look at
+    suffix_drafting: bool = False           # the suffix-tree proposer replaces the cache and n-gram tiers
+    max_branches: int = 1                   # suffix drafts: children per tree node (1 = chains)
 
 
 def build_tiers(config: GatewayConfig, model: str, tokenizer: str, vocab_size: int) -> DraftTiers:
@@ -43,12 +47,15 @@ def build_tiers(config: GatewayConfig, model: str, tokenizer: str, vocab_size: i
         raise ValueError(f"cache_scope must be 'tenant' or 'shared', got {config.cache_scope!r}")
     suffix_lens = parse_lens(config.cache_suffix_lens)
     settings = TierSettings(vocab_size, config.cache_scope == "shared", config.enable_ngram,
-                            parse_lens(config.ngram_sizes), config.local_draft_tokens, max(suffix_lens))
+                            parse_lens(config.ngram_sizes), config.local_draft_tokens, max(suffix_lens),
+                            config.suffix_drafting, 1 + max(0, getattr(config, "draft_tree_width", 0)))
     cache = None
     if config.enable_cache:
-        cache = open_cache(CacheSettings(config.redis_url, config.redis_cluster, config.cache_secret,
-                                         config.cache_encryption_key, config.cache_ttl_s, suffix_lens,
-                                         read_timeout_s=config.cache_read_timeout_s), model, tokenizer)
+        cache_settings = CacheSettings(config.redis_url, config.redis_cluster, config.cache_secret,
+                                       config.cache_encryption_key, config.cache_ttl_s, suffix_lens,
+                                       read_timeout_s=config.cache_read_timeout_s)
+        opener = open_suffix_store if config.suffix_drafting else open_cache
+        cache = opener(cache_settings, model, tokenizer)
     return DraftTiers(settings, cache, load_api_keys(config))
 
 
@@ -75,6 +82,10 @@ class DraftTiers:
         """tenant None (unresolved: no cache) is unreachable behind the API-key interceptor; kept safe anyway."""
         scope = "shared" if self.settings.shared_scope else f"tenant:{tenant}"
         cache = self.cache if tenant is not None or self.settings.shared_scope else None
+        if self.settings.suffix_drafting:
+            from gateway.suffix_drafter import SuffixDrafter  # it builds on TieredDrafter, below
+            return SuffixDrafter(self, params.prompt_ids, params.max_new_tokens, scope, model, cache,
+                                 self.settings.max_branches)
         return TieredDrafter(self, params.prompt_ids, params.max_new_tokens, scope, model, cache)
 
     def snapshot(self) -> dict[str, int]:

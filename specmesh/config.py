@@ -109,6 +109,8 @@ class GatewayConfig:
     enable_ngram: bool = True              # prompt-lookup drafts from the request's own context
     ngram_sizes: str = "4,3"
     local_draft_tokens: int = 16           # longest cache / n-gram draft per round
+    suffix_drafting: bool = False          # one suffix-tree proposer (gateway/suffix_drafter.py) replaces the
+                                           # cache + n-gram tiers; its shared store uses the cache settings above
     telemetry: TelemetryConfig = TelemetryConfig()
     tls: TlsConfig = TlsConfig()
 

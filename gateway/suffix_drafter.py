@@ -1,0 +1,163 @@
+"""Suffix drafting (`GatewayConfig.suffix_drafting`): one model-free proposer over the request's own context and
+the shared store of verified outputs, in place of the draft cache and n-gram tiers.
+
+Each round: the request's context index (`gateway/suffix_index.py`) and the shared store (`kvstore/
+suffix_store.py`, one pipelined read) each give the trie below their longest matched suffix; `speculate` turns each
+into a proposal with an expected-accepted score; `ProposerChoice` picks the local proposal, the shared one, the
+draft model or nothing by expected tokens per millisecond. With tree drafts on (`draft_tree_width` > 0) suffix
+proposals branch where two continuations are both frequent, and a model round carries the best suffix proposal
+as further branches of the same tree. Suffix drafts are one-hot candidates, so sampling stays exact. Only
+verified output tokens are written to the shared store (as the draft cache did, behind the request).
+
+Counters: local suffix rounds count under the `ngram` tier, shared-store rounds under `cache`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gateway.drafters import NO_DRAFT, Draft, ModelDrafter
+from gateway.round_spans import cache_lookup_span
+from gateway.suffix_choice import GLOBAL, LOCAL, MODEL, ProposerChoice
+from gateway.suffix_index import ContextIndex
+from gateway.suffix_tree import EMPTY, Proposal, accepted_nodes, speculate, trie_from_continuations
+from gateway.tiers import TieredDrafter
+from kvstore.base import MAX_CONTINUATION_TOKENS
+from protos.specmesh.v1 import common_pb2
+from specmesh.rejection import SparseDist
+from specmesh.token_ids import common_prefix_len
+
+if TYPE_CHECKING:
+    from gateway.tiers import DraftTiers
+    from kvstore.suffix_store import SuffixStore
+
+SOURCES = {LOCAL: common_pb2.DRAFT_SOURCE_NGRAM, GLOBAL: common_pb2.DRAFT_SOURCE_CACHE,
+           MODEL: common_pb2.DRAFT_SOURCE_MODEL}
+
+
+@dataclass(frozen=True)
+class _Round:
+    """What a round drafted, to learn from once it is verified."""
+    proposer: str                    # LOCAL, GLOBAL or MODEL
+    suffix_from: str                 # LOCAL or GLOBAL: where `suffix` came from
+    suffix: Proposal                 # the suffix part of the draft (all of it, or the branches beside the model's)
+    draft: Draft
+    model_len: int                   # the draft model's chain: the draft's first model_len nodes
+    sent_at: float                   # perf_counter when the draft left for the verifier
+
+
+class SuffixDrafter(TieredDrafter):
+    def __init__(self, tiers: DraftTiers, prompt_ids: list[int], max_new_tokens: int, scope: str,
+                 model: ModelDrafter | None, store: SuffixStore | None, max_branches: int = 1) -> None:
+        super().__init__(tiers, prompt_ids, max_new_tokens, scope, model, store)  # type: ignore[arg-type]
+        self.store = store
+        self.max_branches = max(1, max_branches)
+        self.index = ContextIndex()
+        self.choice = ProposerChoice()
+        self._round: _Round | None = None
+
+    async def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
+        self._round = None
+        room = max(self.max_new_tokens - (len(context_ids) - len(self.prompt_ids)) - 1, 0)
+        cap = min(room, self.settings.local_max_tokens)
+        proposals = {LOCAL: self._local(context_ids, cap), GLOBAL: await self._shared(context_ids, cap)}
+        options = {p: (prop.score, len(prop.token_ids)) for p, prop in proposals.items() if prop.token_ids}
+        if self.model is not None and num_tokens > 0 and self.model.skip_rounds == 0:
+            options[MODEL] = (num_tokens, num_tokens)
+        best = self.choice.choose(options) if options else None
+        suffix_from = max((LOCAL, GLOBAL), key=lambda p: proposals[p].score)     # LOCAL on a tie
+        model_len = 0
+        if best == MODEL:
+            started = time.perf_counter()
+            draft = await self._from_model(context_ids, num_tokens)
+            self.choice.observe_cost(MODEL, time.perf_counter() - started)
+            model_len = len(draft.token_ids)
+            if self.max_branches > 1:
+                draft = with_branches(draft, proposals[suffix_from])
+        elif best in (LOCAL, GLOBAL):
+            suffix_from, suffix = best, proposals[best]
+            draft = Draft(suffix.token_ids, None, SOURCES[best], None if suffix.is_chain else suffix.parents)
+        else:
+            draft = NO_DRAFT
+        for p in (LOCAL, GLOBAL):
+            self._count(SOURCES[p], proposals[p].token_ids if best == p else [])
+        if best is not None and draft.token_ids:
+            self._round = _Round(best, suffix_from, proposals[suffix_from], draft, model_len,
+                                 time.perf_counter())
+        return draft
+
+    def _local(self, context_ids: list[int], cap: int) -> Proposal:
+        started = time.perf_counter()
+        self.index.sync(context_ids)
+        trie, length = self.index.trie(cap)
+        proposal = speculate(trie, cap, length, max_branches=self.max_branches)
+        self.choice.observe_cost(LOCAL, time.perf_counter() - started)
+        return proposal
+
+    async def _shared(self, context_ids: list[int], cap: int) -> Proposal:
+        """The best proposal over the shared store's matched suffixes (one read for all of them)."""
+        if self.store is None or cap <= 0:
+            return EMPTY
+        started = time.perf_counter()
+        with cache_lookup_span() as span:
+            hits = await self.store.lookup_counts(self.scope, context_ids)
+            best = EMPTY
+            for length, continuations in hits:                       # longest suffix first: it wins ties
+                trie = trie_from_continuations((self._valid(c), n) for c, n in continuations)
+                proposal = speculate(trie, cap, length, max_branches=self.max_branches)
+                if proposal.score > best.score:
+                    best = proposal
+            span.set_attribute("specmesh.cache.draft_tokens", len(best.token_ids))
+        self.choice.observe_cost(GLOBAL, time.perf_counter() - started)
+        return best
+
+    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int]) -> None:
+        counters = self.tiers.stats.tier(draft.source)
+        if counters is not None:
+            counters.drafted += len(draft.token_ids)
+            counters.accepted += num_accepted
+        if self._round is not None and self._round.draft is draft:
+            self._learn(self._round, num_accepted, output_ids)
+        self._round = None
+        self.output_ids = output_ids
+        self._record(len(output_ids) - MAX_CONTINUATION_TOKENS)
+
+    def _learn(self, done: _Round, num_accepted: int, output_ids: list[int]) -> None:
+        """Feeds the round's measurements to the choice: verify time, and acceptance of what each part drafted."""
+        verify_s = time.perf_counter() - done.sent_at
+        self.choice.observe_verify(len(done.draft.token_ids), verify_s)
+        accepted_ids = output_ids[len(output_ids) - num_accepted - 1:len(output_ids) - 1]
+        if done.proposer == MODEL:
+            chain = done.draft.token_ids[:done.model_len]
+            self.choice.observe_model(len(chain), common_prefix_len(chain, accepted_ids),
+                                      self.choice.cost_s(MODEL, len(chain)), verify_s)
+        if done.proposer != MODEL or len(done.draft.token_ids) > done.model_len:
+            self.choice.observe_suffix(done.suffix_from, done.suffix.score,
+                                       len(accepted_nodes(done.suffix, accepted_ids)))
+
+
+def with_branches(draft: Draft, suffix: Proposal) -> Draft:
+    """The model's chain as the first branch, then the suffix proposal's nodes as further branches of the same
+    tree (a suffix node equal to a model node at the same place is dropped: the model's node stands for it)."""
+    if not draft.token_ids or not suffix.token_ids or draft.parents is not None:
+        return draft
+    chain = draft.token_ids
+    tokens, parents = list(chain), list(range(-1, len(chain) - 1))
+    where: dict[int, int] = {}                              # suffix node -> its node in the merged tree
+    for i, (t, p) in enumerate(zip(suffix.token_ids, suffix.parents, strict=True)):
+        parent = where[p] if p >= 0 else -1                 # parents come first (topological order)
+        if parent + 1 < len(chain) and tokens[parent + 1] == t:   # the model's chain already has this node
+            where[i] = parent + 1
+            continue
+        where[i] = len(tokens)
+        tokens.append(t)
+        parents.append(parent)
+    if len(tokens) == len(chain):
+        return draft
+    dists = None
+    if draft.dists is not None:                             # one-hot q for the suffix's deterministic candidates
+        dists = list(draft.dists[:len(chain)]) + [SparseDist((t,), (1.0,)) for t in tokens[len(chain):]]
+    return Draft(tokens, dists, draft.source, parents)
+

@@ -1,0 +1,163 @@
+"""Suffix drafting on plain ints, no Redis, no models: the request's context index (longest match, counts), the
+tries and the proposals grown from them (chains, trees, scores), merging suffix branches into a model draft, and
+the per-round choice between proposers."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.drafters import Draft
+from gateway.suffix_choice import GLOBAL, LOCAL, MODEL, NONE, PROBE_EVERY, ProposerChoice
+from gateway.suffix_drafter import with_branches
+from gateway.suffix_index import ContextIndex
+from gateway.suffix_tree import CountNode, accepted_nodes, merge_tries, speculate, trie_from_continuations
+from protos.specmesh.v1 import common_pb2
+from specmesh.rejection import SparseDist
+
+MODEL_SOURCE = common_pb2.DRAFT_SOURCE_MODEL
+
+
+def index_of(tokens: list[int], **kwargs: int) -> ContextIndex:
+    index = ContextIndex(**kwargs)
+    index.sync(tokens)
+    return index
+
+
+def brute_match(tokens: list[int], max_match: int) -> tuple[int, list[int]]:
+    """Longest suffix (<= max_match) that also ends at an earlier position; those end positions, latest first."""
+    n = len(tokens)
+    for length in range(min(max_match, n - 1), 0, -1):
+        tail = tokens[n - length:]
+        ends = [i for i in range(n - 2, length - 2, -1) if tokens[i - length + 1:i + 1] == tail]
+        if ends:
+            return length, ends
+    return 0, []
+
+
+def test_longest_match_and_its_continuation_counts() -> None:
+    #          0  1  2  3  4  5  6  7  8  9 10 11 12
+    tokens = [7, 1, 2, 3, 9, 5, 2, 3, 8, 1, 2, 3, 1, 2, 3]
+    index = index_of(tokens)
+    assert index.match() == (3, [11, 3])                    # "1 2 3" ended at 11 and 3 (and "2 3" at 7: shorter)
+    trie, length = index.trie(2)
+    assert length == 3 and trie.count == 2
+    assert {t: c.count for t, c in trie.children.items()} == {1: 1, 9: 1}
+    assert {t: c.count for t, c in trie.children[1].children.items()} == {2: 1}
+    assert index_of([1, 2, 3, 4]).match() == (0, [])
+    assert index_of([5]).match() == (0, [])
+
+
+def test_sync_appends_and_rebuilds_when_the_context_is_not_an_extension() -> None:
+    index = index_of([1, 2, 3])
+    index.sync([1, 2, 3, 1, 2])
+    assert index.match() == (2, [1])
+    index.sync([9, 9])                                      # not an extension: start over
+    assert index.tokens == [9, 9] and index.match() == (1, [0])
+
+
+@given(st.lists(st.integers(0, 4), max_size=80), st.integers(1, 6))
+def test_match_equals_brute_force(tokens: list[int], max_match: int) -> None:
+    assert index_of(tokens, max_match=max_match, max_occurrences=1000).match() == brute_match(tokens, max_match)
+
+
+@given(st.lists(st.integers(0, 3), min_size=2, max_size=60))
+def test_trie_counts_are_occurrence_counts(tokens: list[int]) -> None:
+    index = index_of(tokens, max_occurrences=1000)
+    length, ends = index.match()
+    trie, _ = index.trie(3)
+    assert trie.count == len(ends)
+    for a, child in trie.children.items():                 # count(child) = occurrences of (match, a)
+        assert child.count == sum(1 for e in ends if tokens[e + 1] == a)
+        assert sum(c.count for c in child.children.values()) <= child.count
+
+
+def test_trie_from_continuations_sums_counts_through_each_node() -> None:
+    trie = trie_from_continuations([([1, 2, 3], 3), ([1, 2, 4], 1), ([5], 2), ([], 9), ([6], 0)])
+    assert trie.count == 6
+    assert trie.children[1].count == 4 and trie.children[5].count == 2
+    assert {t: c.count for t, c in trie.children[1].children[2].children.items()} == {3: 3, 4: 1}
+    assert merge_tries([trie, trie]).children[1].children[2].count == 8
+
+
+def test_chain_follows_the_most_frequent_child_until_the_probability_threshold() -> None:
+    trie = trie_from_continuations([([1, 2, 3, 4], 6), ([1, 2, 9], 3), ([7], 1)])
+    chain = speculate(trie, 16, min_prob=0.5)
+    assert chain.token_ids == [1, 2, 3, 4] and chain.parents == [-1, 0, 1, 2] and chain.is_chain
+    assert chain.probs == pytest.approx([0.9, 0.9, 0.6, 0.6])
+    assert chain.score == pytest.approx(3.0)               # expected accepted tokens: sum of path probabilities
+    assert speculate(trie, 16, min_prob=0.7).token_ids == [1, 2]
+    assert speculate(trie, 3, min_prob=0.0).token_ids == [1, 2, 3]
+    assert speculate(CountNode(), 8).token_ids == []
+
+
+def test_match_length_bounds_the_draft() -> None:
+    trie = trie_from_continuations([(list(range(20)), 5)])
+    assert len(speculate(trie, 16, match_len=1).token_ids) == 2           # SPEC_FACTOR = 2 tokens per matched one
+    assert len(speculate(trie, 16, match_len=3).token_ids) == 6
+    assert len(speculate(trie, 16, match_len=12).token_ids) == 16
+
+
+def test_tree_output_branches_where_two_continuations_are_frequent() -> None:
+    trie = trie_from_continuations([([1, 2, 3], 5), ([1, 4, 5], 4), ([6, 7], 1)])
+    tree = speculate(trie, 16, min_prob=0.3, max_branches=2)
+    assert list(zip(tree.token_ids, tree.parents, strict=True)) == [(1, -1), (2, 0), (3, 1), (4, 0), (5, 3)]
+    assert all(p < i for i, p in enumerate(tree.parents)) and not tree.is_chain
+    assert tree.score == pytest.approx(0.9 + 0.5 + 0.5 + 0.4 + 0.4)
+    # budget: the most probable nodes first, and a node always after its parent
+    small = speculate(trie, 3, min_prob=0.0, max_branches=2)
+    assert list(zip(small.token_ids, small.parents, strict=True)) == [(1, -1), (2, 0), (3, 1)]
+    assert accepted_nodes(tree, [1, 4, 5, 8]) == [0, 3, 4]
+    assert accepted_nodes(tree, [6]) == []
+
+
+def test_model_draft_carries_the_suffix_proposal_as_branches() -> None:
+    trie = trie_from_continuations([([1, 2, 3], 5), ([1, 4], 4)])
+    suffix = speculate(trie, 8, min_prob=0.0, max_branches=2)          # 1 -> (2 -> 3, 4)
+    model = Draft([1, 2, 8], [SparseDist((1,), (1.0,))] * 3, MODEL_SOURCE)
+    merged = with_branches(model, suffix)
+    assert merged.token_ids == [1, 2, 8, 3, 4] and merged.parents == [-1, 0, 1, 1, 0]
+    assert merged.dists is not None and merged.dists[3:] == [SparseDist((3,), (1.0,)), SparseDist((4,), (1.0,))]
+    assert merged.source == MODEL_SOURCE
+    same = with_branches(Draft([1, 2, 3], None, MODEL_SOURCE), speculate(trie, 8, min_prob=0.0))
+    assert same.token_ids == [1, 2, 3] and same.parents is None      # nothing new: the model's chain as is
+    other = with_branches(Draft([9], None, MODEL_SOURCE), speculate(trie, 8, min_prob=0.0))
+    assert other.token_ids == [9, 1, 2, 3] and other.parents == [-1, -1, 1, 2]
+
+
+def test_choice_prefers_free_suffix_drafts_when_the_model_is_slow() -> None:
+    choice = ProposerChoice()
+    for _ in range(5):
+        choice.observe_verify(4, 0.15)
+        choice.observe_cost(MODEL, 0.24)                   # 4 tokens of a slow draft model
+        choice.observe_model(4, 2, 0.24, 0.15)
+        choice.observe_cost(LOCAL, 0.0001)
+    assert choice.choose({LOCAL: (1.0, 3), MODEL: (4, 4)}) == LOCAL
+    assert choice.choose({MODEL: (4, 4)}) == NONE          # target-only beats a slow, half-right model
+    fast = ProposerChoice()
+    for _ in range(5):
+        fast.observe_verify(4, 0.15)
+        fast.observe_cost(MODEL, 0.01)
+        fast.observe_model(4, 4, 0.01, 0.15)               # a fast draft model that is always right
+    assert fast.choose({LOCAL: (1.0, 3), MODEL: (4, 4)}) == MODEL
+
+
+def test_choice_learns_each_suffix_proposers_calibration() -> None:
+    choice = ProposerChoice()
+    for _ in range(10):
+        choice.observe_suffix(GLOBAL, 4.0, 0)              # the shared store's drafts keep failing
+        choice.observe_suffix(LOCAL, 2.0, 2)
+    assert choice.expected_accepted(GLOBAL, 4.0) < 0.5 < choice.expected_accepted(LOCAL, 2.0)
+    assert choice.choose({GLOBAL: (4.0, 8), LOCAL: (2.0, 2)}) == LOCAL
+
+
+def test_choice_probes_an_unchosen_proposer() -> None:
+    choice = ProposerChoice()
+    for _ in range(5):
+        choice.observe_model(4, 0, 0.3, 0.15)
+        choice.observe_cost(MODEL, 0.3)
+    picks = Counter(choice.choose({LOCAL: (3.0, 4), MODEL: (4, 4)}) for _ in range(3 * (PROBE_EVERY + 1)))
+    assert picks[MODEL] == 3 and picks[LOCAL] == 3 * PROBE_EVERY
