@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from draft_service.session_sync import place_delta, plan_sync
 from specmesh.engine.batched import BatchedEngine
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.loop import Completion, EngineError
@@ -32,7 +33,6 @@ from specmesh.engine.model_runner import ModelRunner
 from specmesh.engine.scheduler import ForwardRequest, SeqState
 from specmesh.rejection import SparseDist
 from specmesh.sampling import SamplingParams, logits_to_probs, make_generator, sample_sparse, sparsify
-from specmesh.token_ids import common_prefix_len
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +141,7 @@ class DraftEngine(BatchedEngine):
     def _session_for(self, msg: _Propose) -> DraftSession:
         session = self.sessions.get(msg.session_id)
         if session is None:
-            if msg.context_len != len(msg.new_token_ids):
-                raise EngineError("NOT_FOUND", f"unknown draft session {msg.session_id}: send the whole context")
+            place_delta(False, 0, msg.context_len, len(msg.new_token_ids))
             if len(self.sessions) >= self.max_num_sessions:
                 raise EngineError("RESOURCE_EXHAUSTED", "draft service holds the maximum number of sessions")
             seed = random.getrandbits(63) if msg.params.seed is None else msg.params.seed ^ 0x5EED
@@ -157,11 +156,9 @@ class DraftEngine(BatchedEngine):
         if session.busy:
             self._supersede(session)
         self._stop_ahead(session)
-        base = msg.context_len - len(msg.new_token_ids)
-        if base < 0 or base > session.context_len:
-            raise EngineError("NOT_FOUND", f"draft session {msg.session_id} is out of sync: send the whole context")
+        base = place_delta(True, session.context_len, msg.context_len, len(msg.new_token_ids))
         context = session.seq.token_ids[:base] + list(msg.new_token_ids)
-        self._sync(session, context, len(context) - min(msg.num_assumed_tokens, len(context)))
+        self._sync(session, context, msg.num_assumed_tokens)
         room = self.max_model_len - len(context)
         num_draft = min(msg.num_draft_tokens, room)
         lookahead = 0
@@ -184,26 +181,26 @@ class DraftEngine(BatchedEngine):
         session.busy = False
         session.ahead = None
 
-    def _sync(self, session: DraftSession, context: list[int], num_verified: int) -> None:
-        """Make `context` the session's context (its first `num_verified` tokens verified, the rest assumed); keep
-        the tail (and KV) that still continues it."""
+    def _sync(self, session: DraftSession, context: list[int], num_assumed: int) -> None:
+        """Make `context` the session's context (its last `num_assumed` tokens assumed, the rest verified); keep the
+        tail (and KV) that still continues it. What to keep is decided in session_sync.plan_sync."""
         seq = session.seq
-        match = common_prefix_len(seq.token_ids, context)
-        if match < seq.num_verified:                 # rewrites verified tokens (a confused caller): start over
+        plan = plan_sync(seq.token_ids, seq.num_verified, session.context_len, context, num_assumed)
+        if plan.reset:
             self.num_resets += 1
             self.scheduler.release(seq)
-            seq.token_ids, seq.num_computed, seq.num_verified = [], 0, 0
-            session.context_len, session.tail_dists, match = 0, [], 0
-        if match == len(context) >= session.context_len:   # the context continues into what we drafted
-            session.tail_dists = session.tail_dists[match - session.context_len:]
+            seq.token_ids, seq.num_computed, seq.num_verified = list(context), 0, 0
+            session.tail_dists = []
+        elif plan.tail_kept_from is not None:
+            session.tail_dists = session.tail_dists[plan.tail_kept_from:]
             if session.tail_dists:
                 self.num_ahead_hits += 1
         else:                                        # stale tail: roll back to the context
-            seq.num_computed = min(seq.num_computed, match)
-            seq.token_ids = context
+            seq.num_computed = min(seq.num_computed, plan.num_computed_cap)
+            seq.token_ids = list(context)
             session.tail_dists = []
         session.context_len = len(context)
-        seq.num_verified = max(num_verified, seq.num_verified)   # verified tokens stay verified
+        seq.num_verified = plan.num_verified
         if seq.allocated:
             self.scheduler.commit(seq)
 
