@@ -15,8 +15,10 @@ Transitions
     send(context, num_verified)             UNBOUND / SYNCED -> SYNCED(num_verified, context[num_verified:])
         Optimistic: the state is updated when the call is SENT. The service handles one session's calls in order,
         so a later call (e.g. the Propose after a prefetch) may be computed against it before its answer arrives.
-    on_error(call, code), call not the latest  SKIP, no change: the latest call's sync stands (it fails too if the
-                                               service is gone, and decides then).
+    on_error(earlier call, ABORTED | CANCELLED)  SKIP, no change: the service applied its sync before ending it.
+    on_error(earlier call, anything else)   -> UNBOUND; SKIP: its sync may not have reached the service, so the next
+                                               call sends the whole context (the latest call, already sent, may get
+                                               drafts for a wrong context: they cost acceptance, never exactness).
     on_error(latest, ABORTED | CANCELLED)   -> UNBOUND; SKIP (overtaken by an earlier-sent call of ours that
                                                arrived later / session ended: what the service holds is unknown).
     on_error(latest, NOT_FOUND)             -> UNBOUND; RESEND_WHOLE now (the service lost the session: restart,
@@ -98,7 +100,11 @@ class DraftLink:
     def on_error(self, call: LinkCall, code: str) -> OnError:
         """`code`: the gRPC status name of the failed call."""
         if call.call_id != self.num_calls:
-            return OnError.SKIP          # a later call was sent: its sync stands
+            # A later call was sent, computed against this one's sync. ABORTED / CANCELLED calls were synced by the
+            # service before they ended; any other failure may not have been: send the whole context next time.
+            if code not in ("ABORTED", "CANCELLED"):
+                self.unbind()
+            return OnError.SKIP
         self.unbind()
         if code in ("ABORTED", "CANCELLED"):
             return OnError.SKIP
