@@ -26,7 +26,6 @@ LOCAL, GLOBAL, MODEL, NONE = "local", "global", "model", "none"
 DECAY = 0.85                 # weight an old observation keeps per new one
 VERIFY_SLOPE = 0.1           # extra verify time per drafted token, relative to a one-token verify
 PRIOR_VERIFY_S = 0.15        # before any verify was measured (a CPU verify of the real pair: ~150-215 ms)
-PRIOR_MODEL_TOKEN_S = 0.06   # before the model was measured: per draft token (the 0.5B draft on these CPUs)
 PROBE_EVERY = 16             # rounds a drafting proposer may go unchosen before it gets one round
 MAX_MODEL_K = 64
 
@@ -59,9 +58,8 @@ class ProposerChoice:
         return self._verify_base.mean * (1 + VERIFY_SLOPE * num_tokens)
 
     def cost_s(self, proposer: str, num_tokens: int) -> float:
-        if proposer in self._cost:
-            return self._cost[proposer].mean
-        return PRIOR_MODEL_TOKEN_S * num_tokens if proposer == MODEL else 0.0
+        """Unmeasured = free: a proposer is tried before its cost is known (optimism under uncertainty)."""
+        return self._cost[proposer].mean if proposer in self._cost else 0.0
 
     def expected_accepted(self, proposer: str, score_or_k: float) -> float:
         """A suffix proposer's calibrated score, or the model's expected accepted tokens for k drafts."""

@@ -64,7 +64,7 @@ class SuffixDrafter(TieredDrafter):
         cap = min(room, self.settings.local_max_tokens)
         proposals = {LOCAL: self._local(context_ids, cap), GLOBAL: await self._shared(context_ids, cap)}
         options = {p: (prop.score, len(prop.token_ids)) for p, prop in proposals.items() if prop.token_ids}
-        if self.model is not None and num_tokens > 0 and self.model.skip_rounds == 0:
+        if self.model is not None and num_tokens > 0 and getattr(self.model, "skip_rounds", 0) == 0:
             options[MODEL] = (num_tokens, num_tokens)
         best = self.choice.choose(options) if options else None
         suffix_from = max((LOCAL, GLOBAL), key=lambda p: proposals[p].score)     # LOCAL on a tie
@@ -87,6 +87,14 @@ class SuffixDrafter(TieredDrafter):
             self._round = _Round(best, suffix_from, proposals[suffix_from], draft, model_len,
                                  time.perf_counter())
         return draft
+
+    def prefetch(self, context_ids: list[int], draft: Draft, num_tokens: int) -> None:
+        """The draft service continues only its own chain (not the suffix branches beside it)."""
+        done = self._round
+        if done is not None and done.draft is draft and draft.parents is not None and done.model_len:
+            dists = draft.dists[:done.model_len] if draft.dists is not None else None
+            draft = Draft(draft.token_ids[:done.model_len], dists, draft.source)
+        super().prefetch(context_ids, draft, num_tokens)
 
     def _local(self, context_ids: list[int], cap: int) -> Proposal:
         started = time.perf_counter()

@@ -23,6 +23,7 @@ from tests.test_tiers import settle
 SHARED, LOCAL, MODEL = common_pb2.DRAFT_SOURCE_CACHE, common_pb2.DRAFT_SOURCE_NGRAM, common_pb2.DRAFT_SOURCE_MODEL
 SECRET = "suffix-e2e-secret"
 MAX_NEW = 40
+REPETITIVE = ["1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3", "def f(x):\n    return x\n\ndef g(x):\n    return x\n\ndef"]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -113,7 +114,7 @@ async def test_only_verified_tokens_are_stored(stack) -> None:
 
 async def test_own_context_drafts_without_a_draft_service(stack) -> None:
     total = 0
-    for prompt in ["1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3", "def f(x):\n    return x\n\ndef g(x):\n    return x\n\ndef"]:
+    for prompt in REPETITIVE:
         want = expected(stack, prompt)
         ids, responses = await generate(stack["alone"].addr, prompt)
         assert ids == want

@@ -1,6 +1,6 @@
 """The suffix drafting store against a real redis-server (and in-process): continuation counts per matched suffix,
-key and value format (keyed names, sealed values, no token ids or text anywhere), tenant isolation, and garbage,
-outages and hangs read as misses."""
+key and value format (keyed names, sealed values, no token ids or text anywhere), tenant isolation (store and
+drafter), and garbage, outages and hangs read as misses."""
 
 from __future__ import annotations
 
@@ -13,11 +13,16 @@ import pytest
 import pytest_asyncio
 import redis
 
+from gateway.drafters import Draft
+from gateway.tiers import DraftTiers, TierSettings
+from gateway.validation import GenerationParams
 from kvstore.codec import ValueCodec, pack_varints
 from kvstore.derive import key_names_key, values_key
 from kvstore.factory import CacheSettings
 from kvstore.keys import KeyDeriver
 from kvstore.suffix_store import SUFFIX_PREFIX, MemorySuffixStore, RedisSuffixStore, open_suffix_store
+from protos.specmesh.v1 import common_pb2
+from specmesh.sampling import SamplingParams
 from tests.redis_server import RedisServer
 
 SECRET = "suffix-secret"
@@ -164,3 +169,20 @@ async def test_down_and_hung_are_fast_misses(server) -> None:
             break
     assert await s.lookup_counts("tenant:a", CONTEXT)
     await s.close()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+async def test_drafter_scope_is_per_tenant_unless_shared(shared: bool) -> None:
+    store = open_suffix_store(settings(), "m", "t")
+    tiers = DraftTiers(TierSettings(vocab_size=1000, shared_scope=shared, suffix_drafting=True), store)
+    params = GenerationParams("r", [1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(), 32, (), 4, True)
+    output = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    writer = tiers.drafter(params, None, "alpha")
+    writer.observe(Draft([], None, common_pb2.DRAFT_SOURCE_NONE), 0, output)
+    await writer.close()                                          # records every verified position
+    context = params.prompt_ids + output[:2]
+    draft = await tiers.drafter(params, None, "alpha").propose(context, 4)
+    assert draft.source == common_pb2.DRAFT_SOURCE_CACHE and draft.token_ids == output[2:]
+    other = await tiers.drafter(params, None, "beta").propose(context, 4)
+    assert other.token_ids == (output[2:] if shared else [])
+    assert tiers.snapshot()["cache_hits"] == (2 if shared else 1)
