@@ -68,19 +68,19 @@ class SuffixDrafter(TieredDrafter):
             options[MODEL] = (num_tokens, num_tokens)
         best = self.choice.choose(options) if options else None
         suffix_from = max((LOCAL, GLOBAL), key=lambda p: proposals[p].score)     # LOCAL on a tie
-        model_len = 0
+        model_len, draft = 0, NO_DRAFT
         if best == MODEL:
             started = time.perf_counter()
             draft = await self._from_model(context_ids, num_tokens)
             self.choice.observe_cost(MODEL, time.perf_counter() - started)
             model_len = len(draft.token_ids)
-            if self.max_branches > 1:
+            if not draft.token_ids and proposals[suffix_from].token_ids:
+                best = suffix_from                       # the draft service failed or was overtaken this round
+            elif self.max_branches > 1:
                 draft = with_branches(draft, proposals[suffix_from])
-        elif best in (LOCAL, GLOBAL):
+        if best in (LOCAL, GLOBAL):
             suffix_from, suffix = best, proposals[best]
             draft = Draft(suffix.token_ids, None, SOURCES[best], None if suffix.is_chain else suffix.parents)
-        else:
-            draft = NO_DRAFT
         for p in (LOCAL, GLOBAL):
             self._count(SOURCES[p], proposals[p].token_ids if best == p else [])
         if best is not None and draft.token_ids:
