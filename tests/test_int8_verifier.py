@@ -22,10 +22,10 @@ def test_k_token_forward_is_bit_identical_to_one_token_steps() -> None:
     quantize_linears(model)
     runner = ModelRunner(model, num_blocks=64, block_size=4, batch_invariant=True)
     ids = torch.randint(3, 500, (20,), generator=torch.Generator().manual_seed(0)).tolist()
-    slots = list(range(64))
-    runner.forward([ForwardItem(ids[:12], 0, slots[:12], 1)])
-    block = runner.forward([ForwardItem(ids[12:20], 12, slots[:20], 8)])[0]           # 8 tokens at once
-    single = [runner.forward([ForwardItem(ids[i:i + 1], i, slots[:i + 1], 1)])[0][0] for i in range(12, 20)]
+    table = list(range(16))          # block b holds positions 4b .. 4b + 3
+    runner.forward([ForwardItem(ids[:12], 0, table, 1)])
+    block = runner.forward([ForwardItem(ids[12:20], 12, table, 8)])[0]           # 8 tokens at once
+    single = [runner.forward([ForwardItem(ids[i:i + 1], i, table, 1)])[0][0] for i in range(12, 20)]
     assert torch.equal(block, torch.stack(single))
 
 

@@ -213,10 +213,10 @@ async def test_a_forward_crash_fails_its_batch_not_the_queue() -> None:
         params = SamplingParams()
         starts = [engine.start_session(f"c{i}", [1, 2, 3, 4 + i], params) for i in range(2)]
         handle_posted(engine, 2)
-        real_forward = engine.runner.forward
-        engine.runner.forward = lambda items: (_ for _ in ()).throw(RuntimeError("device lost"))
+        real_forward = engine.runner.forward_flat
+        engine.runner.forward_flat = lambda items: (_ for _ in ()).throw(RuntimeError("device lost"))
         engine.step()                               # one sequence per step: c0 runs (and crashes), c1 waits
-        engine.runner.forward = real_forward
+        engine.runner.forward_flat = real_forward
         with pytest.raises(EngineError) as info:
             await starts[0].future
         assert info.value.code == "INTERNAL" and "device lost" in str(info.value)

@@ -38,6 +38,9 @@ class BatchedEngine(EngineThread):
         self.num_steps = 0
         self.num_batch_tokens = 0      # tokens in the forward being finished (every sequence in the batch)
         self.metrics = EngineMetrics()
+        self._logits = torch.empty(0, 0)           # the current step's logits, rows of finished requests
+        self._rows: dict[int, int] = {}           # id(request) -> its first row in _logits
+        self._argmax: list[int] | None = None     # argmax of every row of _logits, computed on first use
         self.metrics.watch(lambda: self.scheduler.num_waiting, lambda: len(self.sessions),
                            lambda: block_manager.num_used_blocks, lambda: block_manager.num_free_blocks)
 
@@ -69,22 +72,49 @@ class BatchedEngine(EngineThread):
         links = [self.span_context(i.request) for i in batch] if self.trace_steps else None
         try:
             with forward_span(self._name, self.metrics, batch, links):
-                all_logits = self.runner.forward(items)
+                logits = self.runner.forward_flat(items)
         except Exception as exc:       # the forward crashed: fail its batch, not the requests still queued
             log.exception("%s forward failed", self._name)
             for item in batch:
                 self._fail_unexpected(item.request, EngineError("INTERNAL", f"engine forward failed: {exc!r}"))
             return
         self.num_steps += 1
-        for item, logits in zip(batch, all_logits, strict=True):
+        finished: list[ForwardRequest] = []
+        for item in batch:
+            if item.is_final:
+                finished.append(item.request)
+            else:
+                item.request.seq.num_computed += len(item.token_ids)
+        self._argmax = None
+        self._rows = {id(r): n for r, n in zip(finished, self._row_offsets(finished), strict=True)}
+        self._logits = logits
+        self.finish_batch(finished, logits)
+
+    def finish_batch(self, requests: list[ForwardRequest], logits: torch.Tensor) -> None:
+        """logits [sum of num_logits, V]: the finished requests' rows back to back, in order. By default each
+        request is finished alone; a fault fails only its own request."""
+        for request, rows in zip(requests, torch.split(logits, [r.num_logits for r in requests]), strict=True):
             try:
-                if item.is_final:
-                    self.finish(item.request, logits)
-                else:
-                    item.request.seq.num_computed += len(item.token_ids)
+                self.finish(request, rows)
             except Exception as exc:
-                log.exception("%s finishing seq %d failed", self._name, item.request.seq.seq_id)
-                self._fail_unexpected(item.request, exc)
+                log.exception("%s finishing seq %d failed", self._name, request.seq.seq_id)
+                self._fail_unexpected(request, exc)
+
+    def argmax_rows(self, request: ForwardRequest) -> list[int]:
+        """The argmax of each of `request`'s logits rows in the current step (inside finish / finish_batch). The
+        first call takes one argmax over every row of the forward [num_tokens, V]; later calls slice it."""
+        if self._argmax is None:
+            self._argmax = torch.argmax(self._logits, dim=-1).tolist() if self._logits.shape[0] else []
+        start = self._rows[id(request)]
+        return self._argmax[start:start + request.num_logits]
+
+    @staticmethod
+    def _row_offsets(requests: list[ForwardRequest]) -> list[int]:
+        offsets, start = [], 0
+        for r in requests:
+            offsets.append(start)
+            start += r.num_logits
+        return offsets
 
     def _forward_items(self, batch: list[ScheduledItem]) -> tuple[list[ScheduledItem], list[ForwardItem]]:
         kept: list[ScheduledItem] = []
@@ -113,9 +143,8 @@ class BatchedEngine(EngineThread):
             log.exception("%s failing seq %d raised", self._name, request.seq.seq_id)
 
     def _forward_item(self, item: ScheduledItem) -> ForwardItem:
-        end = item.start_pos + len(item.token_ids)
-        kv_slots = self.block_manager.slot_mapping(item.request.seq.seq_id, 0, end)
-        return ForwardItem(item.token_ids, item.start_pos, kv_slots, item.request.num_logits if item.is_final else 0)
+        table = self.block_manager.block_table(item.request.seq.seq_id)
+        return ForwardItem(item.token_ids, item.start_pos, table, item.request.num_logits if item.is_final else 0)
 
     def fail_all(self, exc: BaseException) -> None:
         """Last resort after step() itself crashed: fail every queued request."""

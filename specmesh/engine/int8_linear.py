@@ -52,3 +52,26 @@ def quantize_linears(model: nn.Module) -> int:
                 setattr(parent, name, Int8PerTokenLinear(child))
                 count += 1
     return count
+
+
+class Int8RowwiseIntMM(nn.Module):
+    """A candidate kernel (bench/verifier_overhead.py --kernels): symmetric int8 activations with one scale per row,
+    int8 weights with one scale per output channel, `torch._int_mm` (exact int32 accumulation), then rescaling."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()
+        self.w_scale = (weight.abs().amax(1) / 127).clamp_min(1e-12)                      # [out]
+        self.w_int8_t = torch.round(weight / self.w_scale[:, None]).to(torch.int8).t().contiguous()  # [in, out]
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+        self.out_features = linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1]).float()
+        scale = rows.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127                  # [tokens, 1]
+        acc = torch._int_mm(torch.round(rows / scale).to(torch.int8), self.w_int8_t)       # [tokens, out] int32
+        y = acc.float() * scale * self.w_scale
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)

@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specmesh.engine.paged_attention import ATTN_IMPLEMENTATION, PagedBatch, PagedKVCache, SeqSlice
+from specmesh.tree import block_layout
 
 
 @dataclass(frozen=True)
@@ -17,8 +18,12 @@ class ForwardItem:
 
     token_ids: Sequence[int]      # new tokens to run
     start_pos: int                # position of token_ids[0] (= tokens already in the KV cache)
-    kv_slots: Sequence[int]       # slots of positions 0 .. start_pos + len(token_ids) - 1
+    block_table: Sequence[int]    # KV blocks of the sequence; they cover positions 0 .. start_pos + len(token_ids) - 1
     num_logits: int               # logits wanted for the last num_logits new tokens (0 = none)
+    # A token tree (specmesh/tree.py) over the last len(tree_parents) + 1 new tokens (the root, then the nodes): node
+    # i runs at position root + 1 + depth(i) and attends to the context, the root and its ancestors only; its KV
+    # goes to the slot of its index in token_ids. None = causal.
+    tree_parents: Sequence[int] | None = None
 
 
 def kv_cache_geometry(model: PreTrainedModel) -> tuple[int, int, int]:
@@ -32,8 +37,9 @@ def kv_cache_geometry(model: PreTrainedModel) -> tuple[int, int, int]:
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype | None = None, batch_invariant: bool = False) -> None:
-        """batch_invariant: attention one query at a time, so a token's numbers never depend on how many tokens
-        share the forward (needed with int8 per-token linears for exact greedy speculation)."""
+        """batch_invariant: attention one query row at a time over its own block-padded context, so a token's
+        numbers never depend on how many tokens share the forward (needed with int8 per-token linears for exact
+        greedy speculation)."""
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model.eval()
         self.batch_invariant = batch_invariant
@@ -41,9 +47,14 @@ class ModelRunner:
         dtype = kv_dtype or next(model.parameters()).dtype
         self.cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype)
 
-    @torch.inference_mode()
     def forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
         """Returns, per item, float32 logits [num_logits, vocab] (an empty [0, vocab] tensor when none wanted)."""
+        return list(torch.split(self.forward_flat(items), [item.num_logits for item in items]))
+
+    @torch.inference_mode()
+    def forward_flat(self, items: Sequence[ForwardItem]) -> torch.Tensor:
+        """float32 logits [sum of num_logits, vocab]: every item's rows back to back, in item order."""
+        bs = self.cache.block_size
         input_ids: list[int] = []
         position_ids: list[int] = []
         slot_mapping: list[int] = []
@@ -53,20 +64,41 @@ class ModelRunner:
             n = len(item.token_ids)
             start = len(input_ids)
             context_len = item.start_pos + n
-            if len(item.kv_slots) != context_len or n == 0:
-                raise ValueError(f"kv_slots ({len(item.kv_slots)}) must cover the context ({context_len}), n={n}")
+            if n == 0 or len(item.block_table) * bs < context_len:
+                raise ValueError(f"{len(item.block_table)} blocks must cover the context ({context_len}), n={n}")
+            table = item.block_table
             input_ids.extend(item.token_ids)
-            position_ids.extend(range(item.start_pos, context_len))
-            slot_mapping.extend(item.kv_slots[item.start_pos:])
-            seqs.append(SeqSlice(start, n, torch.tensor(item.kv_slots, dtype=torch.long)))
+            offsets, query_mask = _tree_layout(n, item.tree_parents)
+            position_ids.extend(item.start_pos + o for o in offsets)
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(item.start_pos, context_len))
+            seqs.append(SeqSlice(start, n, context_len, table[:-(-context_len // bs)], query_mask))
             keep.extend(range(start + n - item.num_logits, start + n))
-        batch = PagedBatch(self.cache, torch.tensor(slot_mapping, dtype=torch.long), tuple(seqs),
-                           self.batch_invariant)
+        batch = PagedBatch.build(self.cache, torch.tensor(slot_mapping, dtype=torch.long), seqs,
+                                 self.batch_invariant)
         hidden = self.model.model(
             input_ids=torch.tensor([input_ids], dtype=torch.long),
             position_ids=torch.tensor([position_ids], dtype=torch.long),
             use_cache=False,
             paged_batch=batch,
         ).last_hidden_state                                                   # [1, T, hidden]
-        logits = self.model.lm_head(hidden[0, keep]).float()                 # [sum(num_logits), vocab]
-        return list(torch.split(logits, [item.num_logits for item in items]))
+        return self.model.lm_head(hidden[0, keep]).float()                   # [sum(num_logits), vocab]
+
+    @torch.inference_mode()
+    def move_kv(self, src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:
+        """Copy the keys and values at src_slots to dst_slots in every layer (all read before any is written)."""
+        src = torch.tensor(src_slots, dtype=torch.long)
+        dst = torch.tensor(dst_slots, dtype=torch.long)
+        for cache in (*self.cache.key_caches, *self.cache.value_caches):
+            flat = cache.view(-1, *cache.shape[2:])
+            flat.index_copy_(0, dst, flat.index_select(0, src))
+
+
+def _tree_layout(num_new: int, tree_parents: Sequence[int] | None) -> tuple[list[int], torch.Tensor | None]:
+    """(position offset of each new token, the [n, n] bool mask of new tokens each sees; None = causal)."""
+    if tree_parents is None:
+        return list(range(num_new)), None
+    offsets, rows = block_layout(num_new - len(tree_parents) - 1, tree_parents)
+    mask = torch.zeros(num_new, num_new, dtype=torch.bool)
+    for r, visible in enumerate(rows):
+        mask[r, visible] = True
+    return offsets, mask

@@ -2,13 +2,27 @@
 
 The model runs on a flattened ragged batch: `input_ids`/`position_ids` of shape [1, T] hold every sequence's new
 tokens back to back, and no Hugging Face cache is used. Each attention layer writes the new keys/values into the
-block pool at `slot_mapping`, then, sequence by sequence, gathers that sequence's whole context from its block
-table and runs SDPA with a causal mask offset by the tokens already in cache. Per-sequence attention keeps a
-sequence's numbers independent of what else shares the batch.
+block pool at `slot_mapping` (new tokens only), gathers every sequence's context by block (one indexing op for the
+whole batch), then attends. The masks and index tensors are built once per forward (`PagedBatch.build`) and reused
+by every layer.
+
+Two ways to attend:
+
+* batched (float models): one masked SDPA call over the whole batch, queries and keys padded to the longest.
+* rowwise (batch-invariant, int8 models): every new token is its own 1-query SDPA row over its own context padded to
+  a whole number of KV blocks, `L = ceil(context / block_size) * block_size`. A decode step of one token runs the
+  same row, so a token's numbers are bit-identical whether it is verified in a block of k, decoded alone, or shares
+  the forward with other sequences (SDPA's output for a 1-query row depends only on that row's key length, checked in
+  tests/test_batched_attention.py). The rows of one sequence that share a key length run in one call over that
+  sequence's keys (expanded, not copied).
+
+Tree verification hook: `SeqSlice.query_mask` [q, q] bool says which new tokens each new token sees (None = causal);
+the new tokens' position ids are the runner's business. Every new token always sees the whole cached context.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,11 +33,11 @@ ATTN_IMPLEMENTATION = "specmesh_paged"
 
 
 class PagedKVCache:
-    """One key and one value tensor per layer: [num_blocks * block_size, num_kv_heads, head_dim]."""
+    """One key and one value tensor per layer: [num_blocks, block_size, num_kv_heads, head_dim]."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype) -> None:
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.key_caches = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.value_caches = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.num_blocks = num_blocks
@@ -33,24 +47,118 @@ class PagedKVCache:
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
+    def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """key, value [T, kvH, D] of the new tokens, stored at their slots."""
+        k_cache, v_cache = self.key_caches[layer], self.value_caches[layer]
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """block_tables [B, nb] -> keys, values [B, nb * block_size, kvH, D] (one copy per forward and layer)."""
+        k_cache, v_cache = self.key_caches[layer], self.value_caches[layer]
+        b, nb = block_tables.shape
+        return (k_cache[block_tables].view(b, nb * self.block_size, *k_cache.shape[2:]),
+                v_cache[block_tables].view(b, nb * self.block_size, *v_cache.shape[2:]))
+
 
 @dataclass(frozen=True)
 class SeqSlice:
-    """One sequence's part of a ragged batch."""
+    """One sequence's part of a ragged batch, on plain ints."""
 
     query_start: int          # offset of its first new token in the flattened batch
     query_len: int            # number of new tokens
-    kv_slots: torch.Tensor    # [context_len] slot ids of all its tokens (cached + new), in position order
+    context_len: int          # cached + new tokens; the new ones have key indices context_len - query_len ...
+    block_table: Sequence[int]                  # KV blocks covering its context, in position order
+    query_mask: torch.Tensor | None = None      # [q, q] bool: new token i sees new token j (None = causal)
+
+
+@dataclass(frozen=True)
+class _RowGroup:
+    """Rows [row_start, row_end) of the flattened batch: one sequence's new tokens whose key length is key_len."""
+
+    seq_index: int
+    row_start: int
+    row_end: int
+    key_len: int
+    mask: torch.Tensor        # [rows, 1, 1, key_len] bool
+    key_index: torch.Tensor | None = None    # tree rows (one row): [key_len] indices of its keys, packed
 
 
 @dataclass(frozen=True)
 class PagedBatch:
-    """What every attention layer needs to read and write the block pool for one forward."""
+    """What every attention layer needs to read and write the block pool for one forward (built once)."""
 
     cache: PagedKVCache
     slot_mapping: torch.Tensor    # [T] slot of each new token
     seqs: tuple[SeqSlice, ...]
-    rowwise: bool = False         # one 1-query SDPA call per token: bit-identical to a 1-token decode step
+    rowwise: bool                 # batch-invariant rows (see module doc)
+    block_tables: torch.Tensor    # [B, max blocks] padded with block 0 (masked out)
+    mask: torch.Tensor | None     # batched mode: [B, 1, max q, max keys] bool
+    uniform_query_len: bool       # batched mode: every sequence runs the same number of new tokens
+    row_groups: tuple[_RowGroup, ...]
+
+    @staticmethod
+    def build(cache: PagedKVCache, slot_mapping: torch.Tensor, seqs: Sequence[SeqSlice],
+              rowwise: bool = False) -> PagedBatch:
+        max_blocks = max(len(s.block_table) for s in seqs)
+        tables = torch.tensor([[*s.block_table, *[0] * (max_blocks - len(s.block_table))] for s in seqs],
+                              dtype=torch.long)
+        if rowwise:
+            groups = tuple(g for i, s in enumerate(seqs) for g in _row_groups(i, s, cache.block_size))
+            return PagedBatch(cache, slot_mapping, tuple(seqs), True, tables, None, False, groups)
+        max_q = max(s.query_len for s in seqs)
+        mask = torch.stack([_seq_mask(s, max_q, max_blocks * cache.block_size) for s in seqs]).unsqueeze(1)
+        uniform = all(s.query_len == max_q for s in seqs)
+        return PagedBatch(cache, slot_mapping, tuple(seqs), False, tables, mask, uniform, ())
+
+
+def _visible(seq: SeqSlice, rows: range, key_len: int) -> torch.Tensor:
+    """[len(rows), key_len] bool: new token i (of `rows`) sees keys 0 .. context_len - query_len + i, and among the
+    new keys only those its query_mask allows."""
+    first_new = seq.context_len - seq.query_len
+    rows_t = torch.tensor(list(rows), dtype=torch.long).unsqueeze(1)
+    keys = torch.arange(key_len).unsqueeze(0)
+    mask = keys <= first_new + rows_t
+    if seq.query_mask is not None:
+        new_cols = min(key_len, seq.context_len) - first_new
+        mask[:, first_new:first_new + new_cols] &= seq.query_mask[rows.start:rows.stop, :new_cols]
+    return mask
+
+
+def _seq_mask(seq: SeqSlice, max_q: int, key_len: int) -> torch.Tensor:
+    """[max_q, key_len]; padded query rows see key 0 (their outputs are dropped)."""
+    mask = torch.zeros(max_q, key_len, dtype=torch.bool)
+    mask[:seq.query_len] = _visible(seq, range(seq.query_len), key_len)
+    mask[seq.query_len:, 0] = True
+    return mask
+
+
+def _row_groups(seq_index: int, seq: SeqSlice, block_size: int) -> list[_RowGroup]:
+    first_new = seq.context_len - seq.query_len
+    if seq.query_mask is not None:
+        return [_packed_row(seq_index, seq, row, block_size) for row in range(seq.query_len)]
+    groups: list[_RowGroup] = []
+    row = 0
+    while row < seq.query_len:
+        key_len = -(-(first_new + row + 1) // block_size) * block_size
+        end = min(seq.query_len, key_len - first_new)        # rows whose context fits key_len
+        mask = _visible(seq, range(row, end), key_len)
+        groups.append(_RowGroup(seq_index, seq.query_start + row, seq.query_start + end, key_len,
+                                mask[:, None, None, :]))
+        row = end
+    return groups
+
+
+def _packed_row(seq_index: int, seq: SeqSlice, row: int, block_size: int) -> _RowGroup:
+    """A row under a query_mask (tree verification): its visible keys (the cached context, then the new tokens its
+    mask allows, in order) packed at the front and padded to whole blocks, so the row runs exactly the 1-query SDPA
+    of decoding its path alone: bit-identical logits in rowwise mode."""
+    first_new = seq.context_len - seq.query_len
+    visible = torch.cat([torch.arange(first_new), first_new + torch.nonzero(seq.query_mask[row])[:, 0]])
+    key_len = -(-len(visible) // block_size) * block_size
+    key_index = torch.cat([visible, visible.new_zeros(key_len - len(visible))])
+    mask = (torch.arange(key_len) < len(visible))[None, None, None, :]
+    return _RowGroup(seq_index, seq.query_start + row, seq.query_start + row + 1, key_len, mask, key_index)
 
 
 def paged_attention_forward(
@@ -69,40 +177,52 @@ def paged_attention_forward(
     if kwargs.get("sliding_window"):
         raise NotImplementedError("sliding-window attention is not supported by the paged KV cache")
     layer = module.layer_idx
-    k_cache = paged_batch.cache.key_caches[layer]
-    v_cache = paged_batch.cache.value_caches[layer]
-    k_cache[paged_batch.slot_mapping] = key[0].transpose(0, 1).to(k_cache.dtype)
-    v_cache[paged_batch.slot_mapping] = value[0].transpose(0, 1).to(v_cache.dtype)
+    paged_batch.cache.write(layer, paged_batch.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    keys, values = paged_batch.cache.gather(layer, paged_batch.block_tables)     # [B, L, kvH, D]
+    keys, values = keys.to(query.dtype), values.to(query.dtype)
+    if paged_batch.rowwise:
+        attn = _rowwise(paged_batch, query[0], keys, values, scaling)
+    else:
+        attn = _batched(paged_batch, query[0], keys, values, scaling)
+    return attn.unsqueeze(0), None                                               # [1, T, H, D]
 
+
+def _rowwise(batch: PagedBatch, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+             scaling: float | None) -> torch.Tensor:
+    """query [H, T, D]; keys, values [B, L, kvH, D] -> [T, H, D]."""
+    gqa = query.shape[0] != keys.shape[2]
     outputs = []
-    for seq in paged_batch.seqs:
-        q = query[0, :, seq.query_start:seq.query_start + seq.query_len]      # [H, q, D]
-        k = k_cache[seq.kv_slots].transpose(0, 1)                                # [kvH, ctx, D]
-        v = v_cache[seq.kv_slots].transpose(0, 1)
-        context_len = k.shape[1]
-        if paged_batch.rowwise:
-            outputs.append(_rowwise(q, k.to(q.dtype), v.to(q.dtype), scaling))
-            continue
-        # Query i sits at position (context_len - query_len + i) and sees keys 0..that position.
-        q_pos = torch.arange(context_len - seq.query_len, context_len).unsqueeze(1)
-        mask = torch.arange(context_len).unsqueeze(0) <= q_pos                   # [q, ctx]
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(0), k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype), attn_mask=mask,
-            scale=scaling, enable_gqa=q.shape[0] != k.shape[0],
-        )
-        outputs.append(out[0])                                                   # [H, q, D]
-    attn = torch.cat(outputs, dim=1)                                             # [H, T, D]
-    return attn.transpose(0, 1).unsqueeze(0).contiguous(), None                  # [1, T, H, D]
+    for g in batch.row_groups:
+        rows = g.row_end - g.row_start
+        q = query[:, g.row_start:g.row_end].transpose(0, 1).unsqueeze(2)          # [rows, H, 1, D]
+        if g.key_index is not None:                                              # a packed tree row
+            k = keys[g.seq_index].index_select(0, g.key_index).transpose(0, 1).unsqueeze(0)   # [1, kvH, L, D]
+            v = values[g.seq_index].index_select(0, g.key_index).transpose(0, 1).unsqueeze(0)
+        else:
+            k = keys[g.seq_index, :g.key_len].transpose(0, 1).expand(rows, -1, -1, -1)  # [rows, kvH, L, D]
+            v = values[g.seq_index, :g.key_len].transpose(0, 1).expand(rows, -1, -1, -1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scaling, enable_gqa=gqa)
+        outputs.append(out[:, :, 0])                                             # [rows, H, D]
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
-def _rowwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
-    """q [H, n, D] for the last n of ctx positions; k, v [kvH, ctx, D]. Query i sees keys [0, ctx - n + i]."""
-    num_new, context_len = q.shape[1], k.shape[1]
-    gqa = q.shape[0] != k.shape[0]
-    rows = [F.scaled_dot_product_attention(q[None, :, i:i + 1], k[None, :, :context_len - num_new + i + 1],
-                                           v[None, :, :context_len - num_new + i + 1], scale=scaling,
-                                           enable_gqa=gqa)[0] for i in range(num_new)]
-    return torch.cat(rows, dim=1)                                                 # [H, n, D]
+def _batched(batch: PagedBatch, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+             scaling: float | None) -> torch.Tensor:
+    """One SDPA call over the padded batch. query [H, T, D] -> [T, H, D]."""
+    num_heads, _, head_dim = query.shape
+    num_seqs, max_q = batch.mask.shape[0], batch.mask.shape[2]
+    if batch.uniform_query_len:
+        q = query.view(num_heads, num_seqs, max_q, head_dim).transpose(0, 1)     # [B, H, q, D]
+    else:
+        q = query.new_zeros(num_seqs, num_heads, max_q, head_dim)
+        for i, s in enumerate(batch.seqs):
+            q[i, :, :s.query_len] = query[:, s.query_start:s.query_start + s.query_len]
+    out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=batch.mask,
+                                         scale=scaling, enable_gqa=num_heads != keys.shape[2])  # [B, H, q, D]
+    out = out.transpose(1, 2)                                                    # [B, q, H, D]
+    if batch.uniform_query_len:
+        return out.reshape(num_seqs * max_q, num_heads, head_dim)
+    return torch.cat([out[i, :s.query_len] for i, s in enumerate(batch.seqs)])
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
