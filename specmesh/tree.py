@@ -72,3 +72,23 @@ def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
     for r, visible in enumerate(visible_rows(parents)):
         mask[r, visible] = True
     return mask
+
+
+def keep_shallow(parents: Sequence[int], num_levels: int) -> tuple[list[int], list[int]]:
+    """The nodes at depth < num_levels: (their indices, their parents renumbered among them). A node's ancestors
+    are shallower, so the kept nodes form a tree again (for a chain: its first num_levels nodes)."""
+    kept = [i for i, d in enumerate(depths(parents)) if d < num_levels]
+    new_index = {old: new for new, old in enumerate(kept)}
+    return kept, [ROOT if parents[i] == ROOT else new_index[parents[i]] for i in kept]
+
+
+def block_layout(num_prefix: int, parents: Sequence[int]) -> tuple[list[int], list[list[int]]]:
+    """A forward block of `num_prefix` context tokens, then the root, then the tree's nodes.
+
+    Returns (position offset of each row from the block's first position, the rows each row attends to among the
+    block in key order): context rows are causal, the root sees them all, and each node sees them, the root and its
+    ancestors. Node i's offset is num_prefix + 1 + depth(i): where its path would put it if decoded alone."""
+    offsets = list(range(num_prefix + 1)) + [num_prefix + 1 + d for d in depths(parents)]
+    causal = [list(range(r + 1)) for r in range(num_prefix)]
+    tree_rows = [[num_prefix + c for c in rows] for rows in visible_rows(parents)]
+    return offsets, causal + [list(range(num_prefix)) + rows for rows in tree_rows]
