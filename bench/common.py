@@ -263,6 +263,7 @@ def aggregate(results: Iterable[RequestResult]) -> dict[str, float]:
         "median_tok_s": statistics.median(r.tok_s for r in rs),
         "median_decode_tok_s": statistics.median(r.decode_tok_s for r in rs),
         "median_ttft_s": statistics.median(r.ttft_s for r in rs),
+        "num_rounds": rounds, "num_drafted": drafted,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_tokens_per_round": (accepted + rounds) / rounds if rounds else 0.0,
         "undrafted_rounds": sum(r.undrafted_rounds for r in rs),

@@ -1,39 +1,45 @@
-"""Does speculation pay? Every arm in one run, on the same models and numerics:
+"""Does speculation pay? Every arm and every peer in one run, on the same models, numerics and prompts (issue 14).
 
-  stack (one verifier + one draft service, the draft link through a WAN-emulating proxy, bench/wan_proxy.py;
-  the model arms use a fixed draft length k and draft prefetch):
-    target    target-only decoding through the stack (num_draft_tokens=0)
-    model     speculative, draft model only (n-gram and cache tiers off)
-    tiers     speculative, all tiers: draft cache (one tenant per prompt, so repeated FAQ asks hit it), n-gram, model
-    adaptive  speculative, draft model only, adaptive draft length (at most --adaptive-max-k)
-    no-prefetch  the model arm without draft prefetch (the next block is asked for after each verify)
-    head-32k  the model arm with a second draft service drafting from a 32768-token LM head (only with --arms)
-    ARM@rttN  the --rtt-arms again with N ms of round trip on the draft link (--rtts)
-  in-process transformers (after the stack is stopped, --hf-threads threads, same dtype as the verifier):
-    hf-target, hf-assisted (assistant_model=draft), hf-lookup (prompt_lookup_num_tokens), hf-draft (the draft alone)
+  stack arms (one verifier + one draft service, the draft link through a WAN-emulating proxy, bench/wan_proxy.py;
+  fixed draft length k; each arm with settings of its own gets its own gateway on the same services):
+    target      target-only decoding through the stack (num_draft_tokens=0)
+    sequential  draft model only, no prefetch: k draft steps, then one verify (SPECMESH_GATEWAY_DRAFT_PREFETCH=0)
+    overlap     sequential + SPECMESH_GATEWAY_OVERLAP=1 (drafting overlapped with verification)
+    tree        sequential + SPECMESH_GATEWAY_DRAFT_TREE_WIDTH=2 (token trees)
+    suffix      sequential + SPECMESH_GATEWAY_SUFFIX_DRAFTING=1 (the suffix-tree proposer)
+    all         sequential + the three above
+    (older arms, by --arms: model = prefetch on, tiers, adaptive, no-prefetch, head-32k)
+  An arm whose GatewayConfig field is missing (its feature has not landed) is not run: reported as n/a.
+  layouts (--layouts): a = two hosts simulated, verifier pinned to core 0 and draft service to core 1
+    (`taskset -c`), target-only = the verifier alone on its core; b = one 2-core host, nothing pinned,
+    verifier 2 threads (target-only uses both cores).
+  peers (after the stacks are stopped): transformers in this process at --hf-threads (target, draft alone,
+    assisted generation, prompt lookup); llama.cpp's llama-server on the same pair's GGUF files, target-only and
+    with the draft at its default length, at each layout's thread count (bench/llamacpp_peer.py).
 
-    .venv/bin/python -m bench.speedup --preset tiny --limit 1 --max-new-tokens 32          # ~2 min
+    .venv/bin/python -m bench.speedup --preset tiny --limit 2 --max-new-tokens 16          # ~3 min
     .venv/bin/python -m bench.speedup --preset qwen --env SPECMESH_VERIFIER_DTYPE=int8 \\
-        --env SPECMESH_DRAFT_DTYPE=int8 --max-new-tokens 64
+        --env SPECMESH_DRAFT_DTYPE=int8 --lengths 64,256 --long-limit 1
 
-Every stack output must equal the stack's target-only output token for token (failures: `!!!`, exit code 1).
-Whether transformers' assisted / lookup output equals its own target-only output is reported per prompt (it is not
-exact with int8 linears: its multi-token attention is not batch-invariant).
-Writes bench/results/speedup-*.json and a PNG with speedup per category, acceptance per draft position and
-speedup vs RTT. The analytic bound (1-a^(g+1))/((1-a)(g c+1)) uses the measured per-token acceptance a of the
-model arm, g = --num-draft-tokens and c = draft/target time per token measured in-process (hf-draft vs hf-target).
+Every stack output must equal the same layout's target-only output token for token (failures: `!!!`, exit code 1).
+Whether the peers' speculative outputs equal their own target-only outputs is reported. Writes
+bench/results/speedup-*.json and a PNG (speedup per category per arm, layouts side by side; tok/s vs peers), prints
+a table with ratios and one PASS/FAIL line per issue-14 goal with the term of the round model that limits it
+(bench/speedup_goals.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from bench import llamacpp_peer
 from bench.common import (
     Prompt,
     RequestResult,
@@ -45,92 +51,137 @@ from bench.common import (
     log,
     make_request,
     parse_env,
+    resolve_path,
     result_paths,
     run_metadata,
     split_csv,
     timed_request,
     write_json,
 )
+from bench.speedup_arms import (
+    ARM_DRAFT_ENV,
+    ARM_ENV,
+    BASE_ENV,
+    DEFAULT_ARMS,
+    LAYOUTS,
+    REPEAT_ARMS,
+    STACK_ARMS,
+    Layout,
+    gateway_fields,
+    missing_features,
+    prompt_cap,
+    run_key,
+)
+from bench.speedup_goals import all_goals, format_goal
 from bench.speedup_plot import plot, print_report
 from bench.speedup_stats import analytic_speedup, hf_summary, prompt_id, summarize_arm
 from bench.wan_proxy import WanProxy
 from specmesh.launcher import PRESETS, Stack, StackConfig
 
 HF_MODES = ("target", "draft", "assisted", "lookup")
-# Every gateway starts from BASE_ENV (draft model only, fixed k, prefetch on); an arm with its own settings gets its
-# own gateway on the same verifier and draft service.
-BASE_ENV = {"SPECMESH_GATEWAY_ENABLE_NGRAM": "0", "SPECMESH_GATEWAY_ENABLE_CACHE": "0",
-            "SPECMESH_GATEWAY_ADAPTIVE_DRAFT_LENGTH": "0", "SPECMESH_GATEWAY_DRAFT_PREFETCH": "1"}
-ARM_ENV: dict[str, dict[str, str]] = {
-    "target": {}, "model": {},
-    "tiers": {"SPECMESH_GATEWAY_ENABLE_NGRAM": "1", "SPECMESH_GATEWAY_ENABLE_CACHE": "1"},
-    "adaptive": {"SPECMESH_GATEWAY_ADAPTIVE_DRAFT_LENGTH": "1"},
-    "no-prefetch": {"SPECMESH_GATEWAY_DRAFT_PREFETCH": "0"},
-    "head-32k": {},
-}
-# Arms with a draft service of their own (same model, other settings), reached through a proxy of their own.
-ARM_DRAFT_ENV: dict[str, dict[str, str]] = {"head-32k": {"SPECMESH_DRAFT_HEAD_VOCAB": "32768"}}
-STACK_ARMS = tuple(ARM_ENV)
-DEFAULT_ARMS = ("target", "model", "tiers", "adaptive", "no-prefetch")
+Results = dict[str, list[RequestResult]]   # per arm ("model@rtt40" etc. for the sweep)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(p)
+    p.add_argument("--long-limit", type=int, default=0,
+                   help="prompts per category at lengths above the shortest (0 = --limit)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per model service")
-    p.add_argument("--verifier-threads", type=int, default=0, help="torch threads of the verifier (0 = --threads)")
+    p.add_argument("--layouts", default="a,b", help=f"from {','.join(LAYOUTS)}")
+    p.add_argument("--lengths", default="64,256", help="max_new_tokens values")
+    p.add_argument("--max-new-tokens", type=int, default=0, help="one length (overrides --lengths)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="service environment")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="k of the model and tiers arms")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="k of the speculative arms")
     p.add_argument("--adaptive-max-k", type=int, default=6, help="the adaptive arm's request k (its upper bound)")
     p.add_argument("--arms", default=",".join(DEFAULT_ARMS),
                    help=f"stack arms to run (target is always run), from {','.join(STACK_ARMS)}")
-    p.add_argument("--rtts", default="0,20,40,80", help="draft-link round trips (ms) of the RTT sweep")
-    p.add_argument("--rtt-arms", default="model,no-prefetch", help="arms run again at each RTT")
+    p.add_argument("--b-arms", default="", help="arms of layout b ('' = --arms)")
+    p.add_argument("--long-arms", default="", help="arms at lengths above the shortest ('' = all of the layout's)")
+    p.add_argument("--max-repeats", type=int, default=0,
+                   help="asks of a repeated (FAQ) prompt in the suffix/all/tiers arms (0 = the workload's repeat)")
+    p.add_argument("--rtts", default="", help="draft-link round trips (ms) of an RTT sweep ('' = none)")
+    p.add_argument("--rtt-arms", default="sequential", help="arms run again at each RTT")
     p.add_argument("--rtt-limit", type=int, default=1, help="prompts per category in the RTT sweep (0 = all)")
     p.add_argument("--bandwidth-mbps", type=float, default=0.0, help="draft-link bandwidth (0 = unlimited)")
     p.add_argument("--hf-modes", default=",".join(HF_MODES), help="in-process transformers modes ('' = none)")
-    p.add_argument("--hf-threads", type=int, default=2, help="torch threads of the in-process transformers runs")
+    p.add_argument("--hf-threads", default="1,2", help="torch thread counts of the in-process transformers runs")
+    p.add_argument("--hf-limit", type=int, default=0,
+                   help="prompts per category of the transformers peer (0 = as the stack arms)")
+    p.add_argument("--peer-lengths", default="", help="lengths the peers run at ('' = all of --lengths)")
     p.add_argument("--hf-dtype", default="", help="float32 or int8 (default: the verifier's SPECMESH_VERIFIER_DTYPE)")
+    p.add_argument("--llamacpp", default="auto", help="llama-server binary, 'auto' (bench/llamacpp_peer.py's "
+                                                      "default locations) or 'off'")
+    p.add_argument("--llamacpp-draft-max", type=int, default=0, help="--spec-draft-n-max (0 = llama.cpp default)")
+    p.add_argument("--verify-token-cost", type=float, default=0.1,
+                   help="verify cost of one extra token in target steps, for the goal breakdown (~15/150 ms on CPU)")
+    p.add_argument("--streams-json", default="",
+                   help="a bench.concurrency result: its 8-stream / 1-stream speculative ratio joins the goals")
     p.add_argument("--name", default="", help="result file prefix (default speedup-<preset>)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.length_list = [args.max_new_tokens] if args.max_new_tokens else [int(x) for x in split_csv(args.lengths)]
+    args.peer_length_list = [int(x) for x in split_csv(args.peer_lengths)] or args.length_list
+    return args
+
+
+def peer_prompts(prompts: dict[int, list[Prompt]], args: argparse.Namespace, limit: int = 0) -> dict[int, list[Prompt]]:
+    """The stack's prompts at the peers' lengths, at most `limit` per category (0 = all of them)."""
+    out = {}
+    for length in args.peer_length_list:
+        selected = prompts.get(length) or load_workload(args.workload, split_csv(args.categories), True,
+                                                        prompt_cap(length, args.length_list, args.limit,
+                                                                   args.long_limit))
+        out[length] = [p for i, p in enumerate(selected)
+                       if not limit or sum(q.category == p.category for q in selected[:i + 1]) <= limit]
+    return out
+
+
+def prompts_by_length(args: argparse.Namespace) -> dict[int, list[Prompt]]:
+    return {n: load_workload(args.workload, split_csv(args.categories), True,
+                             prompt_cap(n, args.length_list, args.limit, args.long_limit)) for n in args.length_list}
 
 
 # ------------------------------------------------------------------------------------------------- stack arms
-async def run_arm(arm: str, addr: str, prompt: Prompt, args: argparse.Namespace) -> list[RequestResult]:
-    """One arm on one prompt; the tiers arm asks repeated (FAQ) prompts `repeat` times under one tenant."""
+async def run_arm(arm: str, addr: str, prompt: Prompt, max_new_tokens: int,
+                  args: argparse.Namespace) -> list[RequestResult]:
+    """One arm on one prompt; the REPEAT_ARMS ask repeated (FAQ) prompts `repeat` times under one tenant."""
     k = {"target": 0, "adaptive": args.adaptive_max_k}.get(arm, args.num_draft_tokens)
-    asks = prompt.repeat if arm == "tiers" else 1
+    asks = prompt.repeat if arm in REPEAT_ARMS else 1
+    asks = min(asks, args.max_repeats) if args.max_repeats else asks
     tenant = fresh_tenant()
     out = []
     for ask in range(asks):
         ask_prompt = prompt if asks == 1 else Prompt(f"{prompt.id}#{ask}", prompt.category, prompt.prompt,
                                                      prompt.system, prompt.repeat)
-        out.append(await timed_request(addr, make_request(ask_prompt, args.max_new_tokens, k), ask_prompt, arm,
-                                       tenant))
+        out.append(await timed_request(addr, make_request(ask_prompt, max_new_tokens, k), ask_prompt, arm, tenant))
     return out
 
 
-Results = dict[str, list[RequestResult]]   # per arm ("model@rtt40" etc. for the sweep)
-
-
-async def stack_phase(args: argparse.Namespace, prompts: list[Prompt]) -> tuple[Results, list[str]]:
-    """Results per arm, and the prompt ids of the RTT sweep."""
-    arms = ["target"] + [a for a in split_csv(args.arms) if a != "target"]
+def layout_arms(args: argparse.Namespace, layout: str, fields: set[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """Arms to run in a layout (target first) and the n/a ones with their missing GatewayConfig fields."""
+    wanted = split_csv(args.b_arms if layout == "b" and args.b_arms else args.arms)
+    arms = ["target"] + [a for a in wanted if a != "target"]
     unknown = set(arms) - set(STACK_ARMS)
     if unknown:
         raise SystemExit(f"unknown arm(s) {sorted(unknown)}; choose from {STACK_ARMS}")
+    na = {a: missing for a in arms if (missing := missing_features(a, fields))}
+    return [a for a in arms if a not in na], na
+
+
+async def stack_phase(args: argparse.Namespace, layout: Layout, arms: list[str],
+                      prompts: dict[int, list[Prompt]]) -> tuple[dict[str, Results], list[str]]:
+    """Results per run key (layout/length) and arm, and the prompt ids of the RTT sweep."""
     # gateway, verifier, draft, proxy; per arm: a gateway, and a draft service + its proxy where the arm has one
     base = free_port_block(4 + 3 * len(arms))
     target, draft = PRESETS[args.preset]
     proxy = WanProxy(base + 3, f"127.0.0.1:{base + 2}", bandwidth_bps=args.bandwidth_mbps * 1e6 / 8)
     await proxy.start()
     stack = Stack(StackConfig(target=target, draft=draft, gateway_port=base, verifier_port=base + 1,
-                              draft_port=base + 2, num_threads=args.threads, verifier_threads=args.verifier_threads,
-                              draft_link_addr=proxy.address, extra_env={**parse_env(args.env), **BASE_ENV}))
+                              draft_port=base + 2, num_threads=layout.draft_threads,
+                              verifier_threads=layout.verifier_threads, draft_link_addr=proxy.address,
+                              extra_env={**parse_env(args.env), **BASE_ENV}, taskset=dict(layout.pin)))
     proxies: list[WanProxy] = []
-    log(f"starting {args.preset} stack ({target} + {draft}), draft link via {proxy.address}")
+    log(f"layout {layout.name}: starting {args.preset} stack ({target} + {draft}), {layout.description}")
     try:
         started = time.perf_counter()
         await asyncio.to_thread(stack.start)
@@ -145,48 +196,56 @@ async def stack_phase(args: argparse.Namespace, prompts: list[Prompt]) -> tuple[
             addrs[arm] = stack.config.gateway_addr if not (ARM_ENV[arm] or draft_link) else await asyncio.to_thread(
                 stack.add_gateway, f"gateway-{arm}", port, ARM_ENV[arm], draft_addr=draft_link)
         log(f"stack up in {time.perf_counter() - started:.0f} s")
-        return await run_stack_arms(args, prompts, arms, addrs, proxy)
+        return await run_stack_arms(args, layout.name, prompts, arms, addrs, proxy)
     finally:
         await asyncio.to_thread(stack.stop)
         for p in (proxy, *proxies):
             await p.stop()
 
 
-async def run_stack_arms(args: argparse.Namespace, prompts: list[Prompt], arms: list[str], addrs: dict[str, str],
-                         proxy: WanProxy) -> tuple[Results, list[str]]:
-    warm = argparse.Namespace(**{**vars(args), "max_new_tokens": min(8, args.max_new_tokens)})
+async def run_stack_arms(args: argparse.Namespace, layout: str, prompts: dict[int, list[Prompt]], arms: list[str],
+                         addrs: dict[str, str], proxy: WanProxy) -> tuple[dict[str, Results], list[str]]:
+    first = next(iter(prompts.values()))[0]
     for arm in arms:                                     # first-call allocations and connections, not recorded
-        await run_arm(arm, addrs[arm], Prompt("warmup", "warmup", prompts[0].prompt, prompts[0].system), warm)
-    results: Results = {arm: [] for arm in arms}
-    for i, prompt in enumerate(prompts):
-        order = arms[i % len(arms):] + arms[:i % len(arms)]   # rotate, so no arm always runs first or last
-        line = []
-        for arm in order:
-            rs = await run_arm(arm, addrs[arm], prompt, args)
-            results[arm] += rs
-            line.append(f"{arm} {rs[-1].decode_tok_s:5.2f}" + (f" a={rs[-1].acceptance_rate:.2f}" if arm != "target"
-                                                               else ""))
-        log(f"{prompt.id:<22} decode tok/s: " + " | ".join(line))
+        await run_arm(arm, addrs[arm], Prompt("warmup", "warmup", first.prompt, first.system), 8, args)
+    by_key: dict[str, Results] = {}
+    for length, selected in prompts.items():
+        here = [a for a in arms if a == "target" or not args.long_arms or length == min(prompts)
+                or a in split_csv(args.long_arms)]
+        results: Results = by_key.setdefault(run_key(layout, length), {arm: [] for arm in here})
+        for i, prompt in enumerate(selected):
+            order = here[i % len(here):] + here[:i % len(here)]   # rotate, so no arm always runs first or last
+            line = []
+            for arm in order:
+                rs = await run_arm(arm, addrs[arm], prompt, length, args)
+                results[arm] += rs
+                line.append(f"{arm} {rs[-1].decode_tok_s:5.2f}"
+                            + (f" a={rs[-1].acceptance_rate:.2f}" if arm != "target" else ""))
+            log(f"{layout}/{length} {prompt.id:<20} decode tok/s: " + " | ".join(line))
+    length = args.length_list[0]
     rtts = [float(r) for r in split_csv(args.rtts) if float(r) > 0]
-    sweep = [p for p in prompts if args.rtt_limit == 0
-             or sum(q.category == p.category for q in prompts[:prompts.index(p) + 1]) <= args.rtt_limit]
+    selected = prompts[length]
+    sweep = [p for p in selected if args.rtt_limit == 0
+             or sum(q.category == p.category for q in selected[:selected.index(p) + 1]) <= args.rtt_limit]
     rtt_arms = [a for a in split_csv(args.rtt_arms) if a in arms and a != "target"]
-    for rtt in rtts:
+    results = by_key[run_key(layout, length)]
+    for rtt in rtts if rtt_arms else []:
         proxy.latency_ms = rtt / 2
         for i, prompt in enumerate(sweep):
             for arm in rtt_arms[i % len(rtt_arms):] + rtt_arms[:i % len(rtt_arms)]:
-                rs = await run_arm(arm, addrs[arm], prompt, args)
+                rs = await run_arm(arm, addrs[arm], prompt, length, args)
                 for r in rs:
                     r.mode = f"{arm}@rtt{rtt:g}"
                 results.setdefault(f"{arm}@rtt{rtt:g}", []).extend(rs)
                 log(f"{prompt.id:<22} {arm} at rtt {rtt:g} ms: decode {rs[-1].decode_tok_s:.2f} tok/s")
     proxy.latency_ms = 0.0
-    return results, [p.id for p in sweep]
+    return by_key, [p.id for p in sweep]
 
 
 # ------------------------------------------------------------------------------------------------- transformers
-def hf_phase(args: argparse.Namespace, prompts: list[Prompt], dtype: str) -> list[dict[str, Any]]:
-    """transformers' generate() in this process on the same models (and int8 linears if dtype is int8)."""
+def hf_phase(args: argparse.Namespace, prompts: dict[int, list[Prompt]], dtype: str) -> list[dict[str, Any]]:
+    """transformers' generate() in this process on the same models (and int8 linears if dtype is int8), at each
+    of --hf-threads; the draft alone (for c) only at the shortest length."""
     modes = split_csv(args.hf_modes)
     if not modes:
         return []
@@ -197,60 +256,125 @@ def hf_phase(args: argparse.Namespace, prompts: list[Prompt], dtype: str) -> lis
     from specmesh.models import load_model
 
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(args.hf_threads)
     target_ref, draft_ref = PRESETS[args.preset]
     target, draft = load_model(target_ref), load_model(draft_ref)
     if dtype == "int8":
         quantize_linears(target.model)
         quantize_linears(draft.model)
     knobs = argparse.Namespace(assistant_tokens=0, prompt_lookup_tokens=10)
-    compare_hf.timed_generate(target, compare_hf.encode(target, prompts[0]), 2)      # warm-up
+    shortest = min(prompts)
     runs = []
-    for prompt in prompts:
-        ids = compare_hf.encode(target, prompt)
-        reference: list[int] = []
-        for mode in ["target"] + [m for m in modes if m != "target"]:
-            model = draft if mode == "draft" else target
-            kwargs = {} if mode == "draft" else compare_hf.generate_kwargs(mode, draft, knobs)
-            tokens, seconds = compare_hf.timed_generate(model, ids, args.max_new_tokens, **kwargs)
-            reference = tokens if mode == "target" else reference
-            same = mode in ("target", "draft") or tokens == reference
-            runs.append({"prompt_id": prompt.id, "category": prompt.category, "mode": mode,
-                         "new_tokens": len(tokens), "seconds": seconds, "matches_target": same,
-                         "mismatch_at": -1 if same else first_mismatch(reference, tokens), "token_ids": tokens})
-        log(f"{prompt.id:<22} hf tok/s: " + " | ".join(
-            f"{r['mode']} {r['new_tokens'] / r['seconds']:.2f}" for r in runs if r["prompt_id"] == prompt.id))
+    for threads in [int(t) for t in split_csv(args.hf_threads)]:
+        torch.set_num_threads(threads)
+        compare_hf.timed_generate(target, compare_hf.encode(target, prompts[shortest][0]), 2)      # warm-up
+        for length, selected in prompts.items():
+            for prompt in selected:
+                ids = compare_hf.encode(target, prompt)
+                reference: list[int] = []
+                mine = []
+                for mode in ["target"] + [m for m in modes if m != "target" and (m != "draft" or length == shortest)]:
+                    model = draft if mode == "draft" else target
+                    kwargs = {} if mode == "draft" else compare_hf.generate_kwargs(mode, draft, knobs)
+                    tokens, seconds = compare_hf.timed_generate(model, ids, length, **kwargs)
+                    reference = tokens if mode == "target" else reference
+                    same = mode in ("target", "draft") or tokens == reference
+                    mine.append({"prompt_id": prompt.id, "category": prompt.category, "mode": mode,
+                                 "threads": threads, "max_new_tokens": length, "new_tokens": len(tokens),
+                                 "seconds": seconds, "matches_target": same,
+                                 "mismatch_at": -1 if same else first_mismatch(reference, tokens),
+                                 "token_ids": tokens})
+                log(f"hf t{threads} @{length} {prompt.id:<20} tok/s: " + " | ".join(
+                    f"{r['mode']} {r['new_tokens'] / r['seconds']:.2f}" for r in mine))
+                runs += mine
     return runs
 
 
+def hf_key(length: int, threads: int) -> str:
+    return f"{length}/t{threads}"
+
+
+def hf_summaries(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """hf_summary per (length, threads); the draft (run at the shortest length only) is folded into every
+    length's summary for its threads."""
+    out = {}
+    for length in sorted({r["max_new_tokens"] for r in runs}):
+        for threads in sorted({r["threads"] for r in runs}):
+            mine = [r for r in runs if r["max_new_tokens"] == length and r["threads"] == threads]
+            out[hf_key(length, threads)] = hf_summary(mine)
+    drafts = {t: s["draft"] for k, s in out.items() if "draft" in s for t in [k.split("/t")[1]]}
+    for key, s in out.items():
+        s.setdefault("draft", drafts.get(key.split("/t")[1], {}))
+        if not s["draft"]:
+            del s["draft"]
+    return out
+
+
+def cost_ratio(hf: dict[str, Any], layouts: list[Layout]) -> dict[str, float]:
+    """c per layout: draft time per token (at the layout's draft threads) / target time per token (verifier
+    threads), from the in-process runs at the shortest length."""
+    out = {}
+    for layout in layouts:
+        t = next((s for k, s in hf.items() if k.endswith(f"/t{layout.verifier_threads}") and "target" in s), None)
+        d = next((s for k, s in hf.items() if k.endswith(f"/t{layout.draft_threads}") and "draft" in s), None)
+        if t and d and d["draft"]["overall"]["tok_s"]:
+            out[layout.name] = t["target"]["overall"]["tok_s"] / d["draft"]["overall"]["tok_s"]
+    return out
+
+
 # ------------------------------------------------------------------------------------------------- checks, report
-def check(results: Results) -> list[dict[str, Any]]:
-    """Errors and greedy mismatches of every stack arm against the stack's target-only output."""
-    target = {r.id: r for r in results["target"]}
+def check(runs: dict[str, Results]) -> list[dict[str, Any]]:
+    """Errors and greedy mismatches of every stack arm against the same run's target-only output."""
     problems = []
-    for arm, rs in results.items():
-        for r in rs:
-            t = target.get(prompt_id(r))
-            if r.error:
-                problems.append({"arm": arm, "id": r.id, "error": r.error})
-            elif t is not None and arm != "target" and (at := first_mismatch(t.token_ids, r.token_ids)) >= 0:
-                problems.append({"arm": arm, "id": r.id, "mismatch_at": at})
+    for key, results in runs.items():
+        target = {r.id: r for r in results["target"]}
+        for arm, rs in results.items():
+            for r in rs:
+                t = target.get(prompt_id(r))
+                if r.error:
+                    problems.append({"run": key, "arm": arm, "id": r.id, "error": r.error})
+                elif t is not None and arm != "target" and (at := first_mismatch(t.token_ids, r.token_ids)) >= 0:
+                    problems.append({"run": key, "arm": arm, "id": r.id, "mismatch_at": at})
     for p in problems:
-        print(f"!!! {p['arm']} {p['id']}: {p.get('error') or 'GREEDY MISMATCH at ' + str(p['mismatch_at'])}",
-              file=sys.stderr)
+        print(f"!!! {p['run']} {p['arm']} {p['id']}: "
+              f"{p.get('error') or 'GREEDY MISMATCH at ' + str(p['mismatch_at'])}", file=sys.stderr)
     return problems
 
 
-def bound(summary: dict[str, Any], hf: dict[str, Any], g: int) -> dict[str, Any]:
-    """Measured model-arm speedup against the analytic bound for its measured a and the in-process c."""
-    if "model" not in summary or "target" not in hf or "draft" not in hf:
+def bound(summary: dict[str, Any], c: float, g: int, arm: str) -> dict[str, Any]:
+    """Measured speedup of one arm against the geometric analytic bound for its measured a and the in-process c."""
+    if arm not in summary or not c:
         return {}
-    a = summary["model"]["overall"]["pooled_acceptance"]
-    c = hf["target"]["overall"]["tok_s"] / hf["draft"]["overall"]["tok_s"] if hf["draft"]["overall"]["tok_s"] else 0
+    a = summary[arm]["overall"]["pooled_acceptance"]
     limit = analytic_speedup(a, g, c)
-    measured = summary["model"]["overall"]["speedup"]["decode_median"]
-    return {"a": a, "g": g, "c": c, "bound": limit, "measured_decode_median": measured,
+    measured = summary[arm]["overall"]["speedup"]["decode_median"]
+    return {"arm": arm, "a": a, "g": g, "c": c, "bound": limit, "measured_decode_median": measured,
             "fraction_of_bound": measured / limit if limit else 0.0}
+
+
+def streams_section(path: str) -> dict[str, Any]:
+    """8-stream / 1-stream aggregate tok/s of the speculative mode from a bench.concurrency result."""
+    if not path:
+        return {}
+    rows = json.loads(resolve_path(path).read_text())["throughput"]
+    spec = {r["streams"]: r["aggregate_tok_s"] for r in rows if r["mode"] == "spec"}
+    if 1 not in spec or 8 not in spec:
+        return {}
+    return {"ratio": spec[8] / spec[1], "one": spec[1], "eight": spec[8], "source": path,
+            "note": f"1 stream {spec[1]:.2f} tok/s, 8 streams {spec[8]:.2f}"}
+
+
+def summarize_runs(runs: dict[str, Results], max_k: int) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for key, results in runs.items():
+        target = {r.id: r for r in results["target"]}
+        summary[key] = {arm: summarize_arm(rs, target, max_k) for arm, rs in results.items()}
+    return summary
+
+
+def concurrency_command(args: argparse.Namespace) -> str:
+    env = " ".join(f"--env {e}" for e in args.env)
+    return (f".venv/bin/python -m bench.concurrency --start-stack --preset {args.preset} {env} --only throughput "
+            f"--streams 1,8 --max-new-tokens {args.length_list[0]}").replace("  ", " ")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -258,31 +382,61 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = run_metadata(args)
     env = parse_env(args.env)
     dtype = args.hf_dtype or env.get("SPECMESH_VERIFIER_DTYPE", "float32")
-    prompts = load_workload(args.workload, split_csv(args.categories), True, args.limit)
-    log(f"{len(prompts)} prompts, max_new_tokens {args.max_new_tokens}, k {args.num_draft_tokens}, dtype {dtype}")
-    results, sweep_ids = asyncio.run(stack_phase(args, prompts))
-    hf_runs = hf_phase(args, prompts, dtype)
-    problems = check(results)
+    prompts = prompts_by_length(args)
+    layouts = [LAYOUTS[name] for name in split_csv(args.layouts)]
+    log(f"prompts per length {({n: len(p) for n, p in prompts.items()})}, k {args.num_draft_tokens}, dtype {dtype}, "
+        f"layouts {[lay.name for lay in layouts]}")
+    fields = gateway_fields()
+    runs: dict[str, Results] = {}
+    not_run: dict[str, dict[str, list[str]]] = {}
+    for layout in layouts:
+        arms, na = layout_arms(args, layout.name, fields)
+        not_run[layout.name] = na
+        for arm, missing in na.items():
+            log(f"layout {layout.name}: arm {arm} n/a (GatewayConfig lacks {', '.join(missing)}): not run")
+        by_key, _ = asyncio.run(stack_phase(args, layout, arms, prompts))
+        runs |= by_key
+    hf_runs = hf_phase(args, peer_prompts(prompts, args, args.hf_limit), dtype)
+    server = "" if args.llamacpp == "off" else llamacpp_peer.server_path("" if args.llamacpp == "auto"
+                                                                          else args.llamacpp)
+    all_prompts = list({p.id: p for selected in prompts.values() for p in selected}.values())
+    at_peer = peer_prompts(prompts, args)
+    peer_all = list({p.id: p for selected in at_peer.values() for p in selected}.values())
+    peer = {"skipped": "--llamacpp off"} if args.llamacpp == "off" else llamacpp_peer.run_peer(
+        server, args.preset, peer_all, args.peer_length_list, sorted({lay.peer_threads for lay in layouts}),
+        args.llamacpp_draft_max)
+    if "runs" in peer:      # the peer ran every prompt at every length; keep each length's own selection
+        keep = {(p.id, n) for n, selected in at_peer.items() for p in selected}
+        peer["runs"] = [r for r in peer["runs"] if (r["prompt_id"], r["max_tokens"]) in keep]
+        peer["summary"] = llamacpp_peer.summarize([llamacpp_peer.PeerRun(**r) for r in peer["runs"]])
+    problems = check(runs)
     for r in hf_runs:       # transformers' own speculation is only exact with batch-invariant numerics: reported
         if not r["matches_target"]:
-            log(f"transformers {r['mode']} {r['prompt_id']}: differs from transformers target-only at token "
-                f"{r['mismatch_at']}")
-    target = {r.id: r for r in results["target"]}
-    max_k = max(args.num_draft_tokens, args.adaptive_max_k)
-    summary = {arm: summarize_arm(rs, target, max_k) for arm, rs in results.items()}
-    for arm in split_csv(args.rtt_arms):
-        if arm in results and any(key.startswith(f"{arm}@rtt") for key in results):
-            at_zero = [r for r in results[arm] if r.id in sweep_ids]
-            summary[f"{arm}@rtt0"] = summarize_arm(at_zero, target, max_k)
-    hf = hf_summary(hf_runs)
-    report = {"meta": meta, "hf_dtype": dtype, "summary": summary, "hf": hf,
-              "analytic": bound(summary, hf, args.num_draft_tokens), "problems": problems,
-              "requests": {arm: [r.to_json() for r in rs] for arm, rs in results.items()}, "hf_runs": hf_runs}
+            log(f"transformers {r['mode']} t{r['threads']} @{r['max_new_tokens']} {r['prompt_id']}: differs from "
+                f"transformers target-only at token {r['mismatch_at']}")
+    summary = summarize_runs(runs, max(args.num_draft_tokens, args.adaptive_max_k))
+    hf = hf_summaries(hf_runs)
+    c_of = cost_ratio(hf, layouts)
+    report = {"meta": meta, "hf_dtype": dtype, "layouts": {lay.name: lay.description for lay in layouts},
+              "not_run": not_run, "summary": summary, "hf": hf, "cost_ratio": c_of, "llamacpp": peer,
+              "analytic": {key: bound(s, c_of.get(key.split("/")[0], 0.0), args.num_draft_tokens, arm)
+                           for key, s in summary.items() for arm in ["sequential"] if arm in s},
+              "streams": streams_section(args.streams_json), "concurrency_command": concurrency_command(args),
+              "problems": problems,
+              "requests": {key: {arm: [r.to_json() for r in rs] for arm, rs in results.items()}
+                           for key, results in runs.items()}, "hf_runs": hf_runs}
+    report["goals"] = all_goals(report, args.verify_token_cost)
     print_report(report)
+    print("\ngoals (issue 14):")
+    for goal in report["goals"]:
+        print(format_goal(goal))
+    if not report["streams"]:
+        print(f"8-stream aggregate vs 1 stream: not in this run; measure with `{report['concurrency_command']}` "
+              f"and pass its JSON as --streams-json")
     json_path, png_path = result_paths(args.name or f"speedup-{args.preset}")
     write_json(json_path, report)
-    plot(report, png_path, f"{args.preset} ({dtype}), k={args.num_draft_tokens}, {args.max_new_tokens} tokens, "
-                           f"{len(prompts)} prompts")
+    plot(report, png_path, f"{args.preset} ({dtype}), k={args.num_draft_tokens}, lengths "
+                           f"{','.join(map(str, args.length_list))}, {len(all_prompts)} prompts")
     if problems:
         print(f"!!! {len(problems)} problem(s), see above", file=sys.stderr)
     return 1 if problems else 0

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import log, pyplot
+from bench.speedup_arms import SPEC_ARMS, parse_run_key, run_key
 
-SPEC_ARMS = ("model", "tiers", "adaptive", "no-prefetch", "head-32k")
 HF_SPEC = ("assisted", "lookup")
 
 
@@ -21,80 +21,129 @@ def rtt_points(summary: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
     return {arm: sorted(p) for arm, p in points.items()}
 
 
-def print_report(report: dict[str, Any]) -> None:
-    summary, hf = report["summary"], report["hf"]
-    target = summary["target"]
-    head = (f"{'arm':<13}{'category':<11}{'n':>3}{'tok/s':>8}{'decode x':>10}{'wall x':>8}{'agg x':>7}"
-            f"{'accept':>8}{'a/pos':>7}{'tok/rnd':>8}")
-    print("\nstack arms: speedup over stack target-only (decode = tokens after the first; medians over prompts)\n"
-          + head + "\n" + "-" * len(head))
-    for cat, row in target.items():
-        print(f"{'target':<13}{cat:<11}{row.get('n', 0):>3}{row.get('aggregate_tok_s', 0):>8.2f}")
-    for arm in SPEC_ARMS:
-        for cat, row in summary.get(arm, {}).items():
+def _arm_table(key: str, arms: dict[str, Any], na: dict[str, list[str]]) -> None:
+    head = (f"{'arm':<12}{'category':<11}{'n':>3}{'tok/s':>8}{'dec tok/s':>10}{'decode x':>9}{'wall x':>8}"
+            f"{'accept':>8}{'tok/rnd':>8}{'drft/rnd':>9}")
+    print(f"\n[{key}] stack arms: speedup over this layout's target-only (decode = tokens after the first; medians "
+          f"over prompts)\n{head}\n" + "-" * len(head))
+    for cat, row in arms["target"].items():
+        print(f"{'target':<12}{cat:<11}{row.get('n', 0):>3}{row.get('aggregate_tok_s', 0):>8.2f}"
+              f"{row.get('median_decode_tok_s', 0):>10.2f}")
+    for arm, rows in arms.items():
+        if arm == "target":
+            continue
+        for cat, row in rows.items():
             if not row.get("n"):
                 continue
             s = row["speedup"]
-            print(f"{arm:<13}{cat:<11}{row['n']:>3}{row['aggregate_tok_s']:>8.2f}{s['decode_median']:>9.2f}x"
-                  f"{s['wall_median']:>7.2f}x{s['aggregate']:>6.2f}x{row['acceptance_rate']:>8.2f}"
-                  f"{row['pooled_acceptance']:>7.2f}{row['mean_tokens_per_round']:>8.2f}")
-    if hf:
-        print("\nin-process transformers: tok/s (speedup over transformers target-only) per category")
-        cats = list(next(iter(hf.values())))
-        print(f"{'mode':<10}" + "".join(f"{c:>18}" for c in cats))
-        for mode, rows in hf.items():
-            print(f"{mode:<10}" + "".join(
-                f"{rows[c]['tok_s']:>10.2f} ({rows[c]['speedup']:.2f}x)" if c in rows else f"{'-':>18}" for c in cats))
-        if "assisted" in hf and "model" in summary:
-            ratio = summary["model"]["overall"]["aggregate_tok_s"] / hf["assisted"]["overall"]["tok_s"]
-            print(f"\nspecmesh model arm vs transformers assisted generation (aggregate tok/s): {ratio:.2f}x")
-    if report.get("analytic"):
-        a = report["analytic"]
-        print(f"analytic bound (1-a^(g+1))/((1-a)(g c+1)) with a={a['a']:.2f} g={a['g']} c={a['c']:.2f}: "
-              f"{a['bound']:.2f}x; measured (model, decode median) {a['measured_decode_median']:.2f}x = "
-              f"{a['fraction_of_bound']:.2f} of the bound")
-    for arm, points in rtt_points(summary).items():
-        zero = dict(points).get(0.0, 0.0)
-        print(f"draft-link RTT sweep, {arm} (decode speedup median): " + ", ".join(
-            f"{rtt:g} ms {x:.2f}x" + (f" ({x / zero:.0%} of 0 ms)" if zero and rtt else "") for rtt, x in points))
+            per_round = row["num_drafted"] / row["num_rounds"] if row.get("num_rounds") else 0.0
+            print(f"{arm:<12}{cat:<11}{row['n']:>3}{row['aggregate_tok_s']:>8.2f}{row['median_decode_tok_s']:>10.2f}"
+                  f"{s['decode_median']:>8.2f}x{s['wall_median']:>7.2f}x{row['acceptance_rate']:>8.2f}"
+                  f"{row['mean_tokens_per_round']:>8.2f}{per_round:>9.2f}")
+    for arm, missing in na.items():
+        print(f"{arm:<12}n/a: the gateway has no {', '.join(missing)} yet (not run)")
+
+
+def peer_rows(report: dict[str, Any], length: int) -> list[tuple[str, float, str]]:
+    """(label, decode tok/s, note) of every way to decode at one length: stack arms per layout and the peers."""
+    rows = []
+    for key, arms in report["summary"].items():
+        layout, n = parse_run_key(key)
+        if n != length:
+            continue
+        for arm, by_cat in arms.items():
+            if "@" not in arm and by_cat.get("overall", {}).get("n"):
+                rows.append((f"specmesh {arm} ({layout})", by_cat["overall"]["median_decode_tok_s"], "median"))
+    for key, modes in report["hf"].items():
+        n, threads = key.split("/t")
+        if int(n) == length:
+            for mode, by_cat in modes.items():
+                ident = f"identical {by_cat['overall']['identical_to_target']}/{by_cat['overall']['n']}"
+                rows.append((f"hf {mode} t{threads}", by_cat["overall"]["tok_s"], ident if mode in HF_SPEC else ""))
+    for threads, configs in report.get("llamacpp", {}).get("summary", {}).get(str(length), {}).items():
+        for config, by_cat in configs.items():
+            o = by_cat["overall"]
+            note = f"identical {o['identical_to_target']}/{o['n']}, acceptance {o['acceptance']:.2f}" \
+                if config == "spec" else ""
+            rows.append((f"llama.cpp {config} t{threads}", o["decode_tok_s"], note))
+    return rows
+
+
+def print_peers(report: dict[str, Any], lengths: list[int]) -> None:
+    for length in lengths:
+        rows = peer_rows(report, length)
+        if not rows:
+            continue
+        ref = {label: tok_s for label, tok_s, _ in rows}
+        bases = [b for b in ("specmesh target (b)", "llama.cpp target t2", "hf target t2") if ref.get(b)]
+        print(f"\n@{length} new tokens: decode tok/s (specmesh: median over prompts; peers: pooled), ratios")
+        print(f"{'':<28}{'tok/s':>8}" + "".join(f"{'/ ' + b:>26}" for b in bases))
+        for label, tok_s, note in rows:
+            print(f"{label:<28}{tok_s:>8.2f}" + "".join(f"{tok_s / ref[b]:>25.2f}x" for b in bases)
+                  + (f"  {note}" if note else ""))
+        llama = report.get("llamacpp", {}).get("summary", {}).get(str(length), {})
+        for threads, configs in llama.items():
+            if "spec" in configs:
+                cats = ", ".join(f"{c} {r['speedup']:.2f}x" for c, r in configs["spec"].items())
+                print(f"llama.cpp t{threads} draft speedup over its own target-only: {cats}")
+
+
+def print_report(report: dict[str, Any]) -> None:
+    summary = report["summary"]
+    for key, arms in summary.items():
+        _arm_table(key, arms, report.get("not_run", {}).get(parse_run_key(key)[0], {}))
+    lengths = sorted({parse_run_key(k)[1] for k in summary})
+    print_peers(report, lengths)
+    if "skipped" in report.get("llamacpp", {}):
+        print(f"llama.cpp peer not run: {report['llamacpp']['skipped']}")
+    print("\ndraft/target cost ratio c per layout (in-process transformers): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in report.get("cost_ratio", {}).items()))
+    for key, a in report.get("analytic", {}).items():
+        if a:
+            print(f"[{key}] analytic bound (1-a^(g+1))/((1-a)(g c+1)) for {a['arm']}, a={a['a']:.2f} g={a['g']} "
+                  f"c={a['c']:.2f}: {a['bound']:.2f}x; measured {a['measured_decode_median']:.2f}x = "
+                  f"{a['fraction_of_bound']:.2f} of the bound")
+    for key, arms in summary.items():
+        for arm, points in rtt_points(arms).items():
+            print(f"[{key}] draft-link RTT sweep, {arm} (decode speedup median): " + ", ".join(
+                f"{rtt:g} ms {x:.2f}x" for rtt, x in points))
 
 
 def plot(report: dict[str, Any], path: Path, title: str) -> None:
+    """Per length, one row: speedup per category per arm for each layout side by side, then tok/s vs peers."""
     plt = pyplot()
     if plt is None:
         return
-    summary, hf = report["summary"], report["hf"]
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.8))
-    series = {arm: summary[arm] for arm in SPEC_ARMS if arm in summary}
-    series |= {f"hf-{m}": hf[m] for m in HF_SPEC if m in hf}
-    cats = [c for c in summary["target"] if c != "overall"] + ["overall"]
-    width = 0.8 / max(1, len(series))
-    for j, (name, rows) in enumerate(series.items()):
-        values = [(rows[c]["speedup"]["decode_median"] if not name.startswith("hf-") else rows[c]["speedup"])
-                  if c in rows and (name.startswith("hf-") or rows[c].get("n")) else 0.0 for c in cats]
-        ax1.bar([i - 0.4 + width * (j + 0.5) for i in range(len(cats))], values, width, label=name)
-    ax1.axhline(1.0, color="black", linewidth=0.8)
-    ax1.set(xticks=list(range(len(cats))), xticklabels=cats, ylabel="speedup over target-only",
-            title="speedup per category (stack: decode median)")
-    ax1.legend(fontsize=8)
-    for arm in SPEC_ARMS:
-        if arm in summary:
-            pos = [p for p in summary[arm]["overall"]["position_acceptance"] if p["reached"] >= 5]
-            ax2.plot([p["position"] for p in pos], [p["rate"] for p in pos], marker="o", label=arm)
-    ax2.set(ylim=(0, 1.02), xlabel="draft position i", ylabel="P(accept i | 1..i-1 accepted)",
-            title="acceptance per draft position")
-    ax2.legend(fontsize=8)
-    sweeps = rtt_points(summary)
-    for arm, points in sweeps.items():
-        line = ax3.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=arm)[0]
-        zero = dict(points).get(0.0)
-        if zero:
-            ax3.axhline(0.8 * zero, color=line.get_color(), linestyle="--", linewidth=0.8, label=f"80% of {arm} at 0")
-    ax3.axhline(1.0, color="black", linewidth=0.8)
-    ax3.set(xlabel="draft-link RTT (ms)", ylabel="decode speedup (median)", title="speedup vs RTT")
-    if sweeps:
-        ax3.legend(fontsize=8)
+    summary = report["summary"]
+    lengths = sorted({parse_run_key(k)[1] for k in summary})
+    layouts = sorted({parse_run_key(k)[0] for k in summary})
+    cols = len(layouts) + 1
+    fig, axes = plt.subplots(len(lengths), cols, figsize=(6 * cols, 4.6 * len(lengths)), squeeze=False)
+    for i, length in enumerate(lengths):
+        for j, layout in enumerate(layouts):
+            _speedup_axis(axes[i][j], summary.get(run_key(layout, length), {}), f"layout {layout}, {length} tokens")
+        rows = peer_rows(report, length)
+        ax = axes[i][-1]
+        ax.barh([r[0] for r in rows], [r[1] for r in rows],
+                color=["tab:blue" if r[0].startswith("specmesh") else "tab:gray" for r in rows])
+        ax.set(xlabel="decode tok/s", title=f"tok/s vs peers, {length} tokens")
+        ax.tick_params(axis="y", labelsize=7)
+        ax.invert_yaxis()
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     log(f"wrote {path}")
+
+
+def _speedup_axis(ax: Any, arms: dict[str, Any], title: str) -> None:
+    series = {a: arms[a] for a in arms if a in SPEC_ARMS}
+    cats = [c for c in arms.get("target", {}) if c != "overall"] + ["overall"]
+    width = 0.8 / max(1, len(series))
+    for j, (name, rows) in enumerate(series.items()):
+        values = [rows[c]["speedup"]["decode_median"] if rows.get(c, {}).get("n") else 0.0 for c in cats]
+        ax.bar([i - 0.4 + width * (j + 0.5) for i in range(len(cats))], values, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set(xticks=list(range(len(cats))), ylabel="decode speedup over target-only", title=title)
+    ax.set_xticklabels(cats, fontsize=8, rotation=20)
+    if series:
+        ax.legend(fontsize=7)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bench import kv_accounting as kv
-from bench.common import DEFAULT_WORKLOAD, RequestResult, first_mismatch, load_workload
+from bench.common import DEFAULT_WORKLOAD, Prompt, RequestResult, first_mismatch, load_workload
+from bench.llamacpp_peer import PeerRun, chat_body, mark_identical, server_command
+from bench.llamacpp_peer import summarize as peer_summarize
 from bench.run_workload import check_pairs, summarize
 from bench.soak_report import (
     CLIENT_CANCEL,
@@ -24,6 +27,8 @@ from bench.soak_report import (
     tally,
     verdict,
 )
+from bench.speedup_arms import ARM_ENV, LAYOUTS, missing_features, parse_run_key, prompt_cap, run_key
+from bench.speedup_goals import format_goal, goals_for_length, greedy_goal, limiting_term, round_terms
 from bench.speedup_stats import analytic_speedup, pooled_acceptance, position_acceptance, speedups
 
 
@@ -218,3 +223,80 @@ def test_soak_table_shouts_fatal_codes_and_the_verdict() -> None:
     assert "INTERNAL" in table and "MUST BE ZERO" in table and "fatal INTERNAL: short: INTERNAL message" in table
     assert "draft     sessions ?" in table and "2/30" in table and table.endswith("FAIL: 1 x INTERNAL")
     assert "abandoned by a live gateway" in table    # 1 expired session, no gateway kill explains it
+
+
+# ------------------------------------------------------------------------------------------------- issue 14 bench
+def test_feature_arms_are_na_until_the_gateway_has_their_fields() -> None:
+    assert missing_features("sequential", set()) == [] and missing_features("target", set()) == []
+    assert missing_features("all", {"overlap"}) == ["draft_tree_width", "suffix_drafting"]
+    assert missing_features("tree", {"draft_tree_width"}) == []
+    assert ARM_ENV["sequential"]["SPECMESH_GATEWAY_DRAFT_PREFETCH"] == "0"
+    assert {k: ARM_ENV["all"][k] for k in ("SPECMESH_GATEWAY_OVERLAP", "SPECMESH_GATEWAY_DRAFT_TREE_WIDTH",
+                                           "SPECMESH_GATEWAY_SUFFIX_DRAFTING")} == {
+        "SPECMESH_GATEWAY_OVERLAP": "1", "SPECMESH_GATEWAY_DRAFT_TREE_WIDTH": "2",
+        "SPECMESH_GATEWAY_SUFFIX_DRAFTING": "1"}
+
+
+def test_layouts_pin_a_and_share_b_and_lengths_cap_prompts() -> None:
+    assert dict(LAYOUTS["a"].pin) == {"verifier": "0", "draft": "1"} and LAYOUTS["a"].verifier_threads == 1
+    assert LAYOUTS["b"].pin == () and LAYOUTS["b"].verifier_threads == 2
+    assert parse_run_key(run_key("b", 256)) == ("b", 256)
+    assert prompt_cap(64, [64, 256], 0, 1) == 0 and prompt_cap(256, [64, 256], 0, 1) == 1
+    assert prompt_cap(256, [64, 256], 2, 0) == 2
+
+
+def test_round_terms_split_the_round_and_name_the_limit() -> None:
+    # E = 3 tokens per round at 1.5x: R = 2 target steps = 1 + D (4 * 0.25 = 1.0) + V (4 * 0 = 0) + O 0
+    t = round_terms(1.5, 3.0, 4.0, 0.25, 0.0)
+    assert (t["R"], t["D"], t["V"]) == (pytest.approx(2.0), pytest.approx(1.0), 0.0)
+    assert t["O"] == pytest.approx(0.0) and t["bound"] == pytest.approx(1.5)
+    assert t["ideal acceptance"] == pytest.approx(2.5) and t["ideal draft cost"] == pytest.approx(3.0)
+    assert limiting_term(t).startswith("draft cost: D=g*c=1.00")
+    slow = round_terms(1.0, 3.0, 4.0, 0.05, 0.1)          # R = 3 = 1 + 0.2 + 0.4 + O 1.4
+    assert slow["O"] == pytest.approx(1.4) and limiting_term(slow).startswith("overhead")
+    assert round_terms(0.0, 3.0, 4.0, 0.1, 0.1) == {} and limiting_term({}) == "no rounds measured"
+
+
+def _row(speedup: float, tok_s: float, n: int = 2) -> dict[str, Any]:
+    return {"n": n, "speedup": {"decode_median": speedup}, "aggregate_tok_s": tok_s, "median_decode_tok_s": tok_s,
+            "mean_tokens_per_round": 3.0, "num_rounds": 10, "num_drafted": 40}
+
+
+def test_goals_pass_and_fail_with_the_limiting_term() -> None:
+    target = {c: _row(1.0, 10.0) for c in ("chat", "code", "overall")}
+    a = {"target": target, "sequential": {"chat": _row(1.1, 11.0), "code": _row(2.2, 22.0),
+                                          "overall": _row(1.7, 17.0)}, "tree": {"overall": _row(1.2, 12.0)}}
+    b = {"target": {"overall": _row(1.0, 15.0)}, "sequential": {"overall": _row(1.4, 21.0)}}
+    peer = {"64": {"2": {"target": {"overall": {"tok_s": 20.0}}}}}
+    goals = {g["goal"].split(",")[0]: g for g in goals_for_length({"a/64": a, "b/64": b}, 64, {"a": 0.4, "b": 0.3},
+                                                                   0.1, peer)}
+    assert goals["(a) @64 overall decode speedup"]["passed"]
+    assert goals["(a) @64 code decode speedup"]["passed"]
+    chat = goals["(a) @64 chat decode speedup"]
+    assert not chat["passed"] and chat["limiting"].startswith("draft cost")   # D = 4 * 0.4 = 1.6 steps
+    assert goals["(b) @64 decode speedup over 2-core target-only"]["passed"]
+    e2e = goals["(b) @64 end-to-end tok/s sequential / llama.cpp target-only 2 threads"]
+    assert e2e["passed"] and e2e["value"] == pytest.approx(21.0 / 20.0)
+    assert greedy_goal([])["passed"]
+    bad = greedy_goal([{"run": "a/64", "arm": "tree", "id": "p", "mismatch_at": 3}])
+    assert not bad["passed"] and bad["limiting"] == "a/64 tree"
+    assert format_goal(chat).startswith("FAIL (a) @64 chat") and "limited by draft cost" in format_goal(chat)
+
+
+def test_llamacpp_peer_summary_pools_and_checks_its_own_greedy_output() -> None:
+    def run(pid: str, config: str, text: str, ms: float) -> PeerRun:
+        return PeerRun(pid, "code", config, 2, 64, completion_tokens=10, wall_s=ms / 500, predicted_ms=ms, text=text,
+                       draft_n=8 if config == "spec" else 0, draft_n_accepted=4 if config == "spec" else 0)
+    runs = [run("p", "target", "abc", 1000), run("q", "target", "xyz", 1000), run("p", "spec", "abc", 500),
+            run("q", "spec", "xyw", 500)]
+    mark_identical(runs)
+    assert [r.matches_target for r in runs] == [True, True, True, False]
+    s = peer_summarize(runs)["64"]["2"]
+    assert s["target"]["overall"]["decode_tok_s"] == pytest.approx(10.0)
+    assert s["spec"]["code"]["speedup"] == pytest.approx(2.0) and s["spec"]["overall"]["identical_to_target"] == 1
+    assert s["spec"]["overall"]["acceptance"] == pytest.approx(0.5)
+    cmd = server_command("llama-server", Path("t.gguf"), Path("d.gguf"), 1, 9000)
+    assert cmd[cmd.index("-md") + 1] == "d.gguf" and cmd[cmd.index("--spec-type") + 1] == "draft-simple"
+    assert "-md" not in server_command("llama-server", Path("t.gguf"), None, 2, 9000)
+    body = chat_body(Prompt("p", "chat", "hi", "sys"), 64)
+    assert body["temperature"] == 0 and body["cache_prompt"] is False and body["messages"][0]["role"] == "system"

@@ -44,6 +44,7 @@ class StackConfig:
     http_port: int = 0             # gateway's OpenAI-compatible HTTP API; 0 = off
     metrics_port: int = 0          # /metrics: gateway on this port, verifier +1, draft +2; 0 = off
     trace_file: str = ""           # JSON-lines span file shared by the three services; "" = off
+    taskset: Mapping[str, str] = field(default_factory=dict)  # child name -> `taskset -c` cpu list (e.g. pinning)
 
     @property
     def draft_addr(self) -> str:
@@ -198,7 +199,9 @@ class Stack:
 
     def _spawn(self, name: str, module: str, env: dict[str, str], port: int) -> subprocess.Popen[bytes]:
         full_env = {**os.environ, **self.config.extra_env, **env}
-        proc = subprocess.Popen([sys.executable, "-m", module], env=full_env, stdout=subprocess.PIPE)
+        cpus = self.config.taskset.get(name, "")
+        pin = ["taskset", "-c", cpus] if cpus else []
+        proc = subprocess.Popen([*pin, sys.executable, "-m", module], env=full_env, stdout=subprocess.PIPE)
         self.procs[name] = proc
         self.outputs[name] = ChildOutput(proc, self.echo_output)
         self._spawn_args[name] = (module, env, port)
