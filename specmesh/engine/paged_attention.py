@@ -9,15 +9,17 @@ by every layer.
 Two ways to attend:
 
 * batched (float models): one masked SDPA call over the whole batch, queries and keys padded to the longest.
-* rowwise (batch-invariant, int8 models): every new token is its own 1-query SDPA row over its own context padded to
-  a whole number of KV blocks, `L = ceil(context / block_size) * block_size`. A decode step of one token runs the
-  same row, so a token's numbers are bit-identical whether it is verified in a block of k, decoded alone, or shares
-  the forward with other sequences (SDPA's output for a 1-query row depends only on that row's key length, checked in
-  tests/test_batched_attention.py). The rows of one sequence that share a key length run in one call over that
-  sequence's keys (expanded, not copied).
+* rowwise (batch-invariant, int8 models): every new token is its own 1-query SDPA row over its own context padded
+  to `L = ceil(context / bucket) * bucket` keys (bucket: 64 tokens rounded up to whole blocks). A one-token decode
+  runs the same row, so a token's numbers are bit-identical whether it is verified in a block of k, decoded alone,
+  or shares the forward with other sequences (SDPA's output for a 1-query row depends only on that row's keys and
+  key length, checked in tests/test_batched_attention.py). The rows of one sequence that share a key length run in
+  one call over that sequence's keys (expanded, not copied).
 
-Tree verification hook: `SeqSlice.query_mask` [q, q] bool says which new tokens each new token sees (None = causal);
-the new tokens' position ids are the runner's business. Every new token always sees the whole cached context.
+Tree verification hook: `SeqSlice.query_mask` [q, q] bool says which new tokens each new token sees (None = causal;
+for a tree: its ancestors and itself, in topological order); the new tokens' position ids are the runner's business.
+Every new token always sees the whole cached context. In rowwise mode a tree token's keys are gathered contiguously
+(context, then its path), so its numbers equal a one-token decode of its path.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 ATTN_IMPLEMENTATION = "specmesh_paged"
+ROW_KEY_BUCKET = 64
 
 
 class PagedKVCache:
@@ -81,7 +84,7 @@ class _RowGroup:
     row_end: int
     key_len: int
     mask: torch.Tensor        # [rows, 1, 1, key_len] bool
-    key_index: torch.Tensor | None = None    # tree rows (one row): [key_len] indices of its keys, packed
+    key_index: torch.Tensor | None = None   # [rows, key_len]: each row's own keys (trees); None = keys 0..key_len-1
 
 
 @dataclass(frozen=True)
@@ -100,11 +103,14 @@ class PagedBatch:
     @staticmethod
     def build(cache: PagedKVCache, slot_mapping: torch.Tensor, seqs: Sequence[SeqSlice],
               rowwise: bool = False) -> PagedBatch:
+        bucket = key_bucket(cache.block_size)
         max_blocks = max(len(s.block_table) for s in seqs)
+        if rowwise:      # room for every row's padded key length (padding reads block 0, masked out)
+            max_blocks = max(max_blocks, max(-(-s.context_len // bucket) * bucket for s in seqs) // cache.block_size)
         tables = torch.tensor([[*s.block_table, *[0] * (max_blocks - len(s.block_table))] for s in seqs],
                               dtype=torch.long)
         if rowwise:
-            groups = tuple(g for i, s in enumerate(seqs) for g in _row_groups(i, s, cache.block_size))
+            groups = tuple(g for i, s in enumerate(seqs) for g in _row_groups(i, s, bucket))
             return PagedBatch(cache, slot_mapping, tuple(seqs), True, tables, None, False, groups)
         max_q = max(s.query_len for s in seqs)
         mask = torch.stack([_seq_mask(s, max_q, max_blocks * cache.block_size) for s in seqs]).unsqueeze(1)
@@ -133,32 +139,40 @@ def _seq_mask(seq: SeqSlice, max_q: int, key_len: int) -> torch.Tensor:
     return mask
 
 
-def _row_groups(seq_index: int, seq: SeqSlice, block_size: int) -> list[_RowGroup]:
+def key_bucket(block_size: int) -> int:
+    """Rowwise key lengths are multiples of this (>= 64 tokens, whole blocks): a sequence's rows rarely straddle two
+    lengths, so most sequences take one SDPA call per layer."""
+    return block_size * -(-ROW_KEY_BUCKET // block_size)
+
+
+def _row_groups(seq_index: int, seq: SeqSlice, bucket: int) -> list[_RowGroup]:
+    """Consecutive new tokens of `seq` whose padded key length is the same. Token i sees `visible[i]` keys laid out
+    contiguously from key 0: the cached context, then (chains) new tokens 0..i or (trees) its ancestors and itself
+    in order, gathered by `key_index`, exactly the keys a one-token decode of its path would see."""
     first_new = seq.context_len - seq.query_len
-    if seq.query_mask is not None:
-        return [_packed_row(seq_index, seq, row, block_size) for row in range(seq.query_len)]
+    if seq.query_mask is None:
+        new_keys = None
+        visible = [first_new + i + 1 for i in range(seq.query_len)]
+    else:
+        new_keys = [torch.nonzero(seq.query_mask[i]).flatten() for i in range(seq.query_len)]
+        visible = [first_new + len(k) for k in new_keys]
     groups: list[_RowGroup] = []
     row = 0
     while row < seq.query_len:
-        key_len = -(-(first_new + row + 1) // block_size) * block_size
-        end = min(seq.query_len, key_len - first_new)        # rows whose context fits key_len
-        mask = _visible(seq, range(row, end), key_len)
+        key_len = -(-visible[row] // bucket) * bucket
+        end = row + 1
+        while end < seq.query_len and -(-visible[end] // bucket) * bucket == key_len:
+            end += 1
+        mask = torch.arange(key_len)[None] < torch.tensor(visible[row:end])[:, None]       # [rows, L]
+        key_index = None
+        if new_keys is not None:
+            cached = torch.arange(first_new)
+            key_index = torch.stack([F.pad(torch.cat([cached, first_new + new_keys[i]]), (0, key_len - visible[i]))
+                                     for i in range(row, end)])                              # [rows, L]
         groups.append(_RowGroup(seq_index, seq.query_start + row, seq.query_start + end, key_len,
-                                mask[:, None, None, :]))
+                                mask[:, None, None, :], key_index))
         row = end
     return groups
-
-
-def _packed_row(seq_index: int, seq: SeqSlice, row: int, block_size: int) -> _RowGroup:
-    """A row under a query_mask (tree verification): its visible keys (the cached context, then the new tokens its
-    mask allows, in order) packed at the front and padded to whole blocks, so the row runs exactly the 1-query SDPA
-    of decoding its path alone: bit-identical logits in rowwise mode."""
-    first_new = seq.context_len - seq.query_len
-    visible = torch.cat([torch.arange(first_new), first_new + torch.nonzero(seq.query_mask[row])[:, 0]])
-    key_len = -(-len(visible) // block_size) * block_size
-    key_index = torch.cat([visible, visible.new_zeros(key_len - len(visible))])
-    mask = (torch.arange(key_len) < len(visible))[None, None, None, :]
-    return _RowGroup(seq_index, seq.query_start + row, seq.query_start + row + 1, key_len, mask, key_index)
 
 
 def paged_attention_forward(
@@ -195,9 +209,9 @@ def _rowwise(batch: PagedBatch, query: torch.Tensor, keys: torch.Tensor, values:
     for g in batch.row_groups:
         rows = g.row_end - g.row_start
         q = query[:, g.row_start:g.row_end].transpose(0, 1).unsqueeze(2)          # [rows, H, 1, D]
-        if g.key_index is not None:                                              # a packed tree row
-            k = keys[g.seq_index].index_select(0, g.key_index).transpose(0, 1).unsqueeze(0)   # [1, kvH, L, D]
-            v = values[g.seq_index].index_select(0, g.key_index).transpose(0, 1).unsqueeze(0)
+        if g.key_index is not None:                                              # tree rows: own keys, packed
+            k = keys[g.seq_index][g.key_index].transpose(1, 2)                     # [rows, kvH, L, D]
+            v = values[g.seq_index][g.key_index].transpose(1, 2)
         else:
             k = keys[g.seq_index, :g.key_len].transpose(0, 1).expand(rows, -1, -1, -1)  # [rows, kvH, L, D]
             v = values[g.seq_index, :g.key_len].transpose(0, 1).expand(rows, -1, -1, -1)
