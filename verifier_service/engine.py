@@ -3,10 +3,17 @@
 A session's state (plain ints): `token_ids` are its verified tokens (prompt + output). After each verify the
 last of them, the target's own token, has no KV yet: it is run in the next forward, in front of the next drafts.
 Starting a session is a verify of zero drafts, so prefill and verification share one path.
+
+Token trees (`specmesh/tree.py`): a verify with `parents` runs `[pending token, node 0, ..., node n-1]` in one
+forward with an ancestor mask (`ForwardItem.tree_parents`); all n + 1 tokens need logits, so the scheduler never
+splits them. Node i's KV lands in the slot of its index (position len(token_ids) + i). After sampling, the accepted
+path's KV is moved to contiguous positions (`ModelRunner.move_kv`), and the usual truncate drops the rest, so the
+block manager sees exactly what a chain verify would leave.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Iterable, Sequence
@@ -18,10 +25,12 @@ from opentelemetry.trace import SpanContext
 from specmesh.engine.batched import BatchedEngine
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.loop import Completion, EngineError
-from specmesh.engine.model_runner import ModelRunner
-from specmesh.engine.scheduler import ForwardRequest, SeqState
+from specmesh.engine.model_runner import ForwardItem, ModelRunner
+from specmesh.engine.scheduler import ForwardRequest, ScheduledItem, SeqState
 from specmesh.rejection import SparseDist, rejection_sample, verify_greedy
 from specmesh.sampling import SamplingParams, logits_to_probs, make_generator
+from specmesh.tree import keep_shallow
+from specmesh.tree_rejection import tree_rejection_sample, verify_tree_greedy
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +49,7 @@ class Session:
 class VerifyResult:
     token_ids: list[int]         # accepted drafts + one target token
     num_accepted: int
+    accepted_node_indices: tuple[int, ...] = ()   # the accepted drafts' indices in the request (chain: 0 .. n-1)
     num_cached_prompt_tokens: int = 0
     num_batch_tokens: int = 0    # tokens in the forward that verified this block, all sessions together
     num_waiting: int = 0         # work items queued when it finished
@@ -61,6 +71,16 @@ class _Verify:
     draft_dists: list[SparseDist] | None
     done: Completion
     deadline: float | None = None
+    draft_parents: list[int] | None = None     # a token tree (None = chain)
+
+
+@dataclass(frozen=True)
+class _Drafts:
+    """What a queued verify checks: the drafts' q and, for a tree, its shape and the request's node indices."""
+
+    dists: list[SparseDist] | None
+    parents: list[int] | None = None
+    node_indices: list[int] | None = None      # kept node -> its index in the request (nodes past the context drop)
 
 
 @dataclass(frozen=True)
@@ -88,9 +108,10 @@ class VerifierEngine(BatchedEngine):
         return done
 
     def verify(self, session_id: str, draft_ids: list[int], draft_dists: list[SparseDist] | None,
-               deadline: float | None = None) -> Completion:
+               deadline: float | None = None, draft_parents: list[int] | None = None) -> Completion:
+        """draft_parents: a token tree over draft_ids (validated by the caller; None = chain)."""
         done = Completion()
-        self.post(_Verify(session_id, draft_ids, draft_dists, done, deadline))
+        self.post(_Verify(session_id, draft_ids, draft_dists, done, deadline, draft_parents))
         return done
 
     def end_session(self, session_id: str) -> None:
@@ -129,7 +150,7 @@ class VerifierEngine(BatchedEngine):
                               f"{self.max_model_len}")
         seq = SeqState(next(self._seq_ids), list(msg.prompt_ids), num_verified=len(msg.prompt_ids))
         session = Session(msg.session_id, seq, msg.params, make_generator(msg.params.seed))
-        self._enqueue(session, [], None, msg.done, msg.deadline)
+        self._enqueue(session, [], _Drafts(None), msg.done, msg.deadline)
         self.sessions[msg.session_id] = session
 
     def _handle_verify(self, msg: _Verify) -> None:
@@ -142,12 +163,18 @@ class VerifierEngine(BatchedEngine):
         room = self.max_model_len - len(session.seq.token_ids)
         if room <= 0:
             raise EngineError("OUT_OF_RANGE", f"session {msg.session_id} reached the context length")
-        dists = msg.draft_dists[:room] if msg.draft_dists else None
-        self._enqueue(session, msg.draft_ids[:room], dists, msg.done, msg.deadline)
+        if msg.draft_parents is None:
+            dists = msg.draft_dists[:room] if msg.draft_dists else None
+            self._enqueue(session, msg.draft_ids[:room], _Drafts(dists), msg.done, msg.deadline)
+            return
+        kept, parents = keep_shallow(msg.draft_parents, room)     # paths end at the context length
+        dists = [msg.draft_dists[i] for i in kept] if msg.draft_dists else None
+        self._enqueue(session, [msg.draft_ids[i] for i in kept], _Drafts(dists, parents, kept), msg.done,
+                      msg.deadline)
 
-    def _enqueue(self, session: Session, draft_ids: list[int], dists: list[SparseDist] | None,
+    def _enqueue(self, session: Session, draft_ids: list[int], drafts: _Drafts,
                  done: Completion, deadline: float | None) -> None:
-        request = ForwardRequest(session.seq, draft_ids, len(draft_ids) + 1, (session, dists, done),
+        request = ForwardRequest(session.seq, draft_ids, len(draft_ids) + 1, (session, drafts, done),
                                  deadline=deadline)
         self.scheduler.enqueue(request)    # INVALID_ARGUMENT when the drafts alone exceed the step's token budget
         session.busy = True
@@ -162,11 +189,25 @@ class VerifierEngine(BatchedEngine):
     def idle_seqs(self) -> Iterable[SeqState]:
         return (s.seq for s in self.sessions.values() if not s.busy)
 
+    def _forward_item(self, item: ScheduledItem) -> ForwardItem:
+        forward_item = super()._forward_item(item)
+        parents = item.request.payload[1].parents
+        if parents is None or not item.is_final:
+            return forward_item
+        return dataclasses.replace(forward_item, tree_parents=parents)
+
     def finish(self, req: ForwardRequest, logits: torch.Tensor) -> None:
-        """logits [k+1, V] for the k drafts and the position after them."""
-        session, dists, done = req.payload
+        """logits [n+1, V] for the pending token and the n drafts (chain or tree nodes)."""
+        session, drafts, done = req.payload
         seq = session.seq
-        emitted = self._sample(session, logits, req.extra_ids, dists)
+        if drafts.parents is None:
+            emitted = self._sample(session, logits, req.extra_ids, drafts.dists)
+            accepted = list(range(len(emitted) - 1))
+        else:
+            accepted, final = self._sample_tree(session, logits, req.extra_ids, drafts)
+            self._keep_path(seq, accepted)
+            emitted = [req.extra_ids[i] for i in accepted] + [final]
+            accepted = [drafts.node_indices[i] for i in accepted]
         num_accepted = len(emitted) - 1
         num_cached = 0 if session.started else seq.num_cached_tokens
         session.started = True
@@ -176,8 +217,28 @@ class VerifierEngine(BatchedEngine):
         seq.num_verified = len(seq.token_ids)
         self.scheduler.commit(seq)
         session.busy = False
-        done.set_result(VerifyResult(emitted, num_accepted, num_cached, self.num_batch_tokens,
+        done.set_result(VerifyResult(emitted, num_accepted, tuple(accepted), num_cached, self.num_batch_tokens,
                                      self.scheduler.num_waiting))
+
+    def _keep_path(self, seq: SeqState, accepted: list[int]) -> None:
+        """Move the accepted nodes' KV from the slots of their tree index to contiguous positions.
+
+        Node i ran at position base + i (base = len(token_ids)); the path's j-th node belongs at base + j. Path
+        indices increase and a_j >= j, so no move overwrites a later move's source."""
+        base = len(seq.token_ids)
+        moves = [(base + a, base + j) for j, a in enumerate(accepted) if a != j]
+        if not moves:
+            return
+        slots = self.block_manager.slot_mapping(seq.seq_id, base, base + accepted[-1] + 1)
+        self.runner.move_kv([slots[src - base] for src, _ in moves], [slots[dst - base] for _, dst in moves])
+
+    def _sample_tree(self, session: Session, logits: torch.Tensor, node_ids: Sequence[int],
+                     drafts: _Drafts) -> tuple[list[int], int]:
+        if session.params.is_greedy:
+            return verify_tree_greedy(logits, node_ids, drafts.parents)
+        target_probs = logits_to_probs(logits, session.params)
+        dists = drafts.dists if drafts.dists else [SparseDist((t,), (1.0,)) for t in node_ids]
+        return tree_rejection_sample(target_probs, node_ids, drafts.parents, dists, session.generator)
 
     def _sample(self, session: Session, logits: torch.Tensor, draft_ids: Sequence[int],
                 dists: list[SparseDist] | None) -> list[int]:

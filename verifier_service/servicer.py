@@ -8,6 +8,8 @@ service's reaper task (verifier_service/server.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import grpc
 
 from protos.specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -15,6 +17,7 @@ from specmesh.engine.loop import EngineError
 from specmesh.grpc_server import deadline_of
 from specmesh.leases import SessionLeases, check_session_id
 from specmesh.proto_convert import sampling_from_proto, sparse_dists_from_proto
+from specmesh.tree import check_parents
 from verifier_service.engine import VerifierEngine, VerifyResult
 
 
@@ -62,10 +65,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             draft_ids = list(request.draft_token_ids)
             self._check_ids(draft_ids, "draft_token_ids")
             dists = sparse_dists_from_proto(request.draft_dists, len(draft_ids), self.vocab_size)
+            parents = _tree_parents(request.draft_parents, len(draft_ids))
             result: VerifyResult = await self.engine.verify(session_id, draft_ids, dists,
-                                                            deadline_of(context)).future
+                                                            deadline_of(context), parents).future
         return verifier_pb2.VerifyResponse(num_accepted=result.num_accepted, token_ids=result.token_ids,
-                                           num_batch_tokens=result.num_batch_tokens, num_waiting=result.num_waiting)
+                                           num_batch_tokens=result.num_batch_tokens, num_waiting=result.num_waiting,
+                                           accepted_node_indices=result.accepted_node_indices)
 
     async def EndSession(self, request: common_pb2.EndSessionRequest,
                          context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:
@@ -84,3 +89,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                       num_free_kv_blocks=bm.num_free_blocks,
                                       num_sessions=len(self.engine.sessions),
                                       num_waiting=self.engine.scheduler.num_waiting)
+
+
+def _tree_parents(draft_parents: Sequence[int], num_drafts: int) -> list[int] | None:
+    """None for a chain (no parents); else the validated tree (INVALID_ARGUMENT naming the field)."""
+    if not draft_parents:
+        return None
+    try:
+        check_parents(draft_parents, num_drafts)
+    except ValueError as exc:
+        raise EngineError("INVALID_ARGUMENT", f"draft_parents: {exc}") from None
+    return list(draft_parents)

@@ -1,0 +1,160 @@
+"""Token-tree verification on a real verifier server (tiny models), driven by hand through StartSession / Verify.
+
+- A tree holding the target's greedy continuation on one branch (among decoys) accepts exactly that branch.
+- Rounds of random trees reproduce target-only greedy output token for token (float32: plain transformers; int8:
+  the same verifier with no drafts), so the accepted path's KV really is where decoding continues from.
+- Every KV block is free after EndSession; malformed trees are INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+import grpc
+import pytest
+import pytest_asyncio
+from transformers import AutoTokenizer
+
+from protos.specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from specmesh.models import resolve_model_dir
+from specmesh.tree import depths
+from tests.stack import reference_greedy, start_verifier
+from tests.test_e2e_greedy import PROMPTS, wait_blocks_free
+
+VOCAB_DECOY = 7
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(str(resolve_model_dir("tiny-target")))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=["float32", "int8"])
+async def verifier(request: pytest.FixtureRequest):
+    running = await start_verifier(dtype=request.param, block_size=4, max_model_len=256)
+    async with grpc.aio.insecure_channel(running.addr) as channel:
+        yield running, verifier_pb2_grpc.VerifierStub(channel), request.param
+    await running.stop()
+
+
+class Session:
+    def __init__(self, stub: verifier_pb2_grpc.VerifierStub, prompt_ids: list[int]) -> None:
+        self.stub, self.prompt_ids = stub, prompt_ids
+        self.session_id = uuid.uuid4().hex
+        self.output: list[int] = []
+        self.owner_token = ""
+
+    async def start(self) -> None:
+        reply = await self.stub.StartSession(verifier_pb2.StartSessionRequest(
+            session_id=self.session_id, prompt_token_ids=self.prompt_ids, max_new_tokens=64))
+        self.owner_token = reply.owner_token
+        self.output.append(reply.first_token_id)
+
+    async def verify(self, token_ids: list[int], parents: list[int] | None = None,
+                     dists: list[common_pb2.SparseDist] | None = None) -> verifier_pb2.VerifyResponse:
+        reply = await self.stub.Verify(verifier_pb2.VerifyRequest(
+            session_id=self.session_id, owner_token=self.owner_token, draft_token_ids=token_ids,
+            draft_parents=parents or [], draft_dists=dists or []))
+        self.output.extend(reply.token_ids)
+        return reply
+
+    async def end(self) -> None:
+        await self.stub.EndSession(common_pb2.EndSessionRequest(session_id=self.session_id,
+                                                                 owner_token=self.owner_token))
+
+
+async def expected_output(stub: verifier_pb2_grpc.VerifierStub, dtype: str, prompt_ids: list[int],
+                          n: int) -> list[int]:
+    """Target-only greedy: transformers for float32, the same verifier without drafts for int8."""
+    if dtype == "float32":
+        return reference_greedy(prompt_ids, n)
+    session = Session(stub, prompt_ids)
+    await session.start()
+    while len(session.output) < n:
+        await session.verify([])
+    await session.end()
+    return session.output[:n]
+
+
+def decoy(token: int) -> int:
+    return (token + VOCAB_DECOY) % 500 + 3
+
+
+async def test_tree_with_the_greedy_branch_accepts_exactly_it(verifier, tokenizer) -> None:
+    running, stub, dtype = verifier
+    prompt_ids = tokenizer(PROMPTS[0])["input_ids"]
+    expected = await expected_output(stub, dtype, prompt_ids, 8)
+    session = Session(stub, prompt_ids)
+    await session.start()
+    assert session.output == expected[:1]
+    e1, e2, e3 = expected[1:4]
+    #         root
+    #       /   |    \
+    #   d(e1)   e1    d(e1)
+    #     |    /  \
+    #    e2  d(e2) e2
+    #               \
+    #                e3
+    token_ids = [decoy(e1), e2, e1, decoy(e2), e2, e3, decoy(e1)]
+    parents = [-1, 0, -1, 2, 2, 4, -1]
+    reply = await session.verify(token_ids, parents)
+    assert list(reply.accepted_node_indices) == [2, 4, 5] and reply.num_accepted == 3
+    assert list(reply.token_ids) == expected[1:5]
+    await session.verify([expected[5], decoy(expected[6])], [-1, -1])    # decoding goes on from the moved KV
+    await session.verify([])
+    assert session.output == expected[:8]
+    await session.end()
+    await wait_blocks_free(running)
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_random_tree_rounds_reproduce_target_only_greedy(verifier, tokenizer, seed: int) -> None:
+    running, stub, dtype = verifier
+    rng = random.Random(seed)
+    prompt_ids = tokenizer(PROMPTS[seed + 1])["input_ids"]
+    n = 40
+    expected = await expected_output(stub, dtype, prompt_ids, n + 16)
+    session = Session(stub, prompt_ids)
+    await session.start()
+    accepted_total = 0
+    while len(session.output) < n:
+        token_ids, parents = random_tree(rng, expected[len(session.output):])
+        reply = await session.verify(token_ids, parents)
+        accepted_total += reply.num_accepted
+        assert [token_ids[i] for i in reply.accepted_node_indices] == list(reply.token_ids[:-1])
+    assert session.output[:n] == expected[:n]
+    assert accepted_total > 0
+    await session.end()
+    await wait_blocks_free(running)
+
+
+def random_tree(rng: random.Random, continuation: list[int]) -> tuple[list[int], list[int]]:
+    """Up to 12 nodes under random parents; a node under a correct path is correct with probability 0.5."""
+    parents: list[int] = []
+    token_ids: list[int] = []
+    correct: list[bool] = []
+    for i in range(rng.randint(1, 12)):
+        parent = rng.randint(-1, i - 1)
+        depth = 0 if parent == -1 else depths(parents + [parent])[-1]
+        on_path = (parent == -1 or correct[parent]) and depth < len(continuation)
+        right = on_path and rng.random() < 0.5
+        token_ids.append(continuation[depth] if right else rng.randint(3, 500))
+        parents.append(parent)
+        correct.append(right or (on_path and token_ids[-1] == continuation[depth]))
+    return token_ids, parents
+
+
+@pytest.mark.parametrize("parents", [[0, -1], [-1, 1], [-2, 0], [-1], [-1, 0, 1]])
+async def test_malformed_parents_are_invalid_argument(verifier, tokenizer, parents: list[int]) -> None:
+    running, stub, _ = verifier
+    session = Session(stub, tokenizer(PROMPTS[0])["input_ids"])
+    await session.start()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await session.verify([5, 6], parents)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "draft_parents" in info.value.details()
+    reply = await session.verify([5, 6], [-1, -1])                    # the session is still usable
+    assert reply.num_accepted <= 1
+    await session.end()
+    await wait_blocks_free(running)
