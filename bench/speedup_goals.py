@@ -2,7 +2,8 @@
 
 The round model (in target decode steps of the run's own target-only arm): a round yields E tokens (accepted + one
 target token) and costs R = E / S steps, S the measured decode speedup. R splits into
-    1 (one target step)  +  D = g c (drafting g tokens at c target steps each, c from the in-process runs)
+    1 (one target step)  +  D = m c (drafting m model tokens at c target steps each, c from the in-process runs;
+    m = the draft model's share of the g drafted tokens per round: cache / n-gram / suffix drafts cost no steps)
     +  V = g v (verifying g extra tokens at v steps each, --verify-token-cost)  +  O (the rest: overhead).
 Removing one term at a time says which one holds the speedup back most: acceptance (E -> g+1), draft cost (D -> 0),
 verify cost (V -> 0) or overhead (O -> 0). Pure: testable on plain dicts (bench/test_bench.py).
@@ -20,13 +21,14 @@ GOAL_STREAMS = 4.0
 
 
 def round_terms(speedup: float, tokens_per_round: float, drafted_per_round: float, c: float,
-                verify_token_cost: float) -> dict[str, float]:
+                verify_token_cost: float, model_drafted_per_round: float | None = None) -> dict[str, float]:
     """Per-round cost terms (target steps) and the speedup with each term made ideal."""
     e, g = tokens_per_round, drafted_per_round
+    m = g if model_drafted_per_round is None else model_drafted_per_round
     if speedup <= 0 or e <= 0:
         return {}
     r = e / speedup
-    d, v = g * c, g * verify_token_cost
+    d, v = m * c, g * verify_token_cost
     o = r - 1.0 - d - v
     ideal = {
         "acceptance": (g + 1.0) / r,
@@ -46,7 +48,7 @@ def limiting_term(terms: dict[str, float]) -> str:
     worst = max(names, key=lambda n: terms[f"ideal {n}"])
     detail = {
         "acceptance": f"E={terms['E']:.2f} of {terms['g'] + 1:.2f} tokens/round",
-        "draft cost": f"D=g*c={terms['D']:.2f} target steps/round",
+        "draft cost": f"D=m*c={terms['D']:.2f} target steps/round",
         "verify cost": f"V={terms['V']:.2f} target steps/round",
         "overhead": f"O={terms['O']:.2f} target steps/round",
     }[worst]
@@ -59,8 +61,9 @@ def arm_terms(row: dict[str, Any], c: float, verify_token_cost: float) -> dict[s
     """round_terms of one summary row (summarize_arm's per-category dict)."""
     if not row.get("n") or not row.get("num_rounds"):
         return {}
+    model = row.get("sources", {}).get("model", {}).get("drafted", row["num_drafted"])
     return round_terms(row["speedup"]["decode_median"], row["mean_tokens_per_round"],
-                       row["num_drafted"] / row["num_rounds"], c, verify_token_cost)
+                       row["num_drafted"] / row["num_rounds"], c, verify_token_cost, model / row["num_rounds"])
 
 
 def headline_arm(arms: dict[str, Any]) -> str:

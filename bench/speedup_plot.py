@@ -121,7 +121,9 @@ def plot(report: dict[str, Any], path: Path, title: str) -> None:
     fig, axes = plt.subplots(len(lengths), cols, figsize=(6 * cols, 4.6 * len(lengths)), squeeze=False)
     for i, length in enumerate(lengths):
         for j, layout in enumerate(layouts):
-            _speedup_axis(axes[i][j], summary.get(run_key(layout, length), {}), f"layout {layout}, {length} tokens")
+            na = sorted(report.get("not_run", {}).get(layout, {}))
+            _speedup_axis(axes[i][j], summary.get(run_key(layout, length), {}), f"layout {layout}, {length} tokens"
+                          + (f" (n/a: {', '.join(na)})" if na else ""))
         rows = peer_rows(report, length)
         ax = axes[i][-1]
         ax.barh([r[0] for r in rows], [r[1] for r in rows],

@@ -251,7 +251,9 @@ def test_round_terms_split_the_round_and_name_the_limit() -> None:
     assert (t["R"], t["D"], t["V"]) == (pytest.approx(2.0), pytest.approx(1.0), 0.0)
     assert t["O"] == pytest.approx(0.0) and t["bound"] == pytest.approx(1.5)
     assert t["ideal acceptance"] == pytest.approx(2.5) and t["ideal draft cost"] == pytest.approx(3.0)
-    assert limiting_term(t).startswith("draft cost: D=g*c=1.00")
+    assert limiting_term(t).startswith("draft cost: D=m*c=1.00")
+    suffix = round_terms(1.5, 3.0, 4.0, 0.25, 0.0, model_drafted_per_round=0.0)   # no model drafts: D = 0
+    assert suffix["D"] == 0.0 and suffix["O"] == pytest.approx(1.0) and limiting_term(suffix).startswith("overhead")
     slow = round_terms(1.0, 3.0, 4.0, 0.05, 0.1)          # R = 3 = 1 + 0.2 + 0.4 + O 1.4
     assert slow["O"] == pytest.approx(1.4) and limiting_term(slow).startswith("overhead")
     assert round_terms(0.0, 3.0, 4.0, 0.1, 0.1) == {} and limiting_term({}) == "no rounds measured"
