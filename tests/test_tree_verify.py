@@ -39,15 +39,16 @@ async def verifier(request: pytest.FixtureRequest):
 
 
 class Session:
-    def __init__(self, stub: verifier_pb2_grpc.VerifierStub, prompt_ids: list[int]) -> None:
-        self.stub, self.prompt_ids = stub, prompt_ids
+    def __init__(self, stub: verifier_pb2_grpc.VerifierStub, prompt_ids: list[int],
+                 sampling: common_pb2.SamplingParams | None = None) -> None:
+        self.stub, self.prompt_ids, self.sampling = stub, prompt_ids, sampling
         self.session_id = uuid.uuid4().hex
         self.output: list[int] = []
         self.owner_token = ""
 
     async def start(self) -> None:
         reply = await self.stub.StartSession(verifier_pb2.StartSessionRequest(
-            session_id=self.session_id, prompt_token_ids=self.prompt_ids, max_new_tokens=64))
+            session_id=self.session_id, prompt_token_ids=self.prompt_ids, max_new_tokens=64, sampling=self.sampling))
         self.owner_token = reply.owner_token
         self.output.append(reply.first_token_id)
 
@@ -143,6 +144,28 @@ def random_tree(rng: random.Random, continuation: list[int]) -> tuple[list[int],
         parents.append(parent)
         correct.append(right or (on_path and token_ids[-1] == continuation[depth]))
     return token_ids, parents
+
+
+async def test_sampled_tree_rounds_accept_a_root_path(verifier, tokenizer) -> None:
+    """Sampling: the accepted nodes form a path from the root, tokens and indices agree, and a seed replays."""
+    running, stub, _ = verifier
+    rng = random.Random(5)
+    outputs = []
+    for _ in range(2):
+        session = Session(stub, tokenizer(PROMPTS[2])["input_ids"], common_pb2.SamplingParams(temperature=1.0, seed=3))
+        await session.start()
+        rng.seed(5)
+        for _ in range(6):
+            token_ids, parents = random_tree(rng, [])
+            q = [common_pb2.SparseDist(token_ids=[t, decoy(t)], probs=[0.6, 0.4]) for t in token_ids]
+            reply = await session.verify(token_ids, parents, q)
+            path = list(reply.accepted_node_indices)
+            assert all(parents[b] == a for a, b in zip([-1, *path], path, strict=False))
+            assert [token_ids[i] for i in path] == list(reply.token_ids[:-1])
+        await session.end()
+        outputs.append(session.output)
+    assert outputs[0] == outputs[1]
+    await wait_blocks_free(running)
 
 
 @pytest.mark.parametrize("parents", [[0, -1], [-1, 1], [-2, 0], [-1], [-1, 0, 1]])
