@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from bench.soak_report import (
 from bench.speedup_arms import ARM_ENV, LAYOUTS, missing_features, parse_run_key, prompt_cap, run_key
 from bench.speedup_goals import format_goal, goals_for_length, greedy_goal, limiting_term, round_terms
 from bench.speedup_stats import analytic_speedup, pooled_acceptance, position_acceptance, speedups
+from specmesh.launcher import Stack, StackConfig
 
 
 def test_workload_dedupes_repeated_prompts_by_default(tmp_path: Path) -> None:
@@ -302,3 +305,18 @@ def test_llamacpp_peer_summary_pools_and_checks_its_own_greedy_output() -> None:
     assert "-md" not in server_command("llama-server", Path("t.gguf"), None, 2, 9000)
     body = chat_body(Prompt("p", "chat", "hi", "sys"), 64)
     assert body["temperature"] == 0 and body["cache_prompt"] is False and body["messages"][0]["role"] == "system"
+
+
+@pytest.mark.skipif(not shutil.which("taskset"), reason="taskset not installed")
+def test_stack_config_taskset_pins_the_child_itself() -> None:
+    cpu = str(max(os.sched_getaffinity(0)))
+    stack = Stack(StackConfig(target="unused", draft="", taskset={"probe": cpu}), echo_output=False)
+    proc = stack._spawn("probe", "timeit", {}, 0)        # runs a few seconds: long enough to look at it
+    try:
+        deadline = time.monotonic() + 30
+        while os.sched_getaffinity(proc.pid) != {int(cpu)} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.sched_getaffinity(proc.pid) == {int(cpu)}    # taskset exec'd python: same pid, pinned
+    finally:
+        proc.kill()
+        proc.wait()
