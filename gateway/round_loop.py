@@ -6,6 +6,7 @@ Only verified tokens leave this loop. Text is produced by the caller from the yi
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
@@ -16,6 +17,7 @@ from opentelemetry.context import Context
 
 from gateway.adaptive import DraftLengthController
 from gateway.drafters import NO_DRAFT, Draft, Drafter
+from gateway.request_state import RequestState, RoundEvent
 from gateway.round_spans import end_session_span, prefill_span, record_round, round_span
 from gateway.validation import GenerationParams
 from protos.specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -45,6 +47,11 @@ async def _session_alive(call: Awaitable[verifier_pb2.VerifyResponse]) -> verifi
                                    f"session ended by the verifier (idle past its lease): {exc.details()}") from exc
 
 
+def _observe_round(draft_length: DraftLengthController, event: RoundEvent, state: RequestState) -> None:
+    draft_length.observe(len(event.draft.token_ids), event.num_accepted, event.draft_s, event.verify_s)
+    draft_length.observe_load(event.num_waiting, event.num_batch_tokens)
+
+
 class Generation:
     """Drives one request's session on the verifier (and draft service). Always `close()` it."""
 
@@ -62,7 +69,16 @@ class Generation:
         self.draft_length = draft_length            # adaptive draft length (None: the request's fixed k)
         self.prefetch = prefetch                    # fetch the next draft block while the verifier works
         self.timeout_s = verifier_timeout_s
-        self.output_ids: list[int] = []
+        self.state = RequestState(params.prompt_ids, params.max_new_tokens)   # budget, output, round counters
+        if draft_length is not None:
+            self.state.listeners.append(functools.partial(_observe_round, draft_length))
+        if drafter is not None:
+            self.state.listeners.append(lambda event, state: drafter.observe(event.draft, event.num_accepted,
+                                                                              state.output_ids))
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.state.output_ids
 
     async def rounds(self) -> AsyncIterator[RoundOutput]:
         with prefill_span(self.trace_context, len(self.params.prompt_ids)) as span:
@@ -72,35 +88,32 @@ class Generation:
                 self.drafter.prefill(self.params.prompt_ids, self.params.num_draft_tokens) if self.drafter
                 else asyncio.sleep(0))
             span.set_attribute("specmesh.prefill.cached_tokens", start.num_cached_prompt_tokens)
-        self.output_ids.append(start.first_token_id)
+        self.state.on_first_token(start.first_token_id)
         yield RoundOutput(0, [start.first_token_id], 0, 0, common_pb2.DRAFT_SOURCE_NONE)
-        round_index = 0
         while True:
-            round_index += 1
-            remaining = self.params.max_new_tokens - len(self.output_ids)
-            # Drafting past the last token the client can receive is wasted work.
-            wanted = self.draft_length.next_k() if self.draft_length else self.params.num_draft_tokens
-            num_draft = min(wanted, max(remaining - 1, 0))
-            context = self.params.prompt_ids + self.output_ids
-            with round_span(self.trace_context, round_index) as span:
-                started = time.perf_counter()
-                draft = await self.drafter.propose(context, num_draft) if self.drafter else NO_DRAFT
-                drafted = time.perf_counter()
-                verify = self.verifier.Verify(self._verify_request(draft), timeout=self.timeout_s)
-                if self.prefetch and self.drafter is not None:
-                    # The next block crosses the draft link while the verifier works (used if all is accepted).
-                    self.drafter.prefetch(context, draft, min(wanted, max(remaining - len(draft.token_ids) - 2, 0)))
-                result = await _session_alive(verify)
-                if self.draft_length is not None:
-                    self.draft_length.observe(len(draft.token_ids), result.num_accepted, drafted - started,
-                                              time.perf_counter() - drafted)
-                    self.draft_length.observe_load(result.num_waiting, result.num_batch_tokens)
-                record_round(span, draft, result.num_accepted)
-            tokens = list(result.token_ids)
-            self.output_ids.extend(tokens)
-            if self.drafter is not None:
-                self.drafter.observe(draft, result.num_accepted, self.output_ids)
-            yield RoundOutput(round_index, tokens, len(draft.token_ids), result.num_accepted, draft.source)
+            event = await self._round(self.state.num_rounds + 1)
+            self.state.on_round(event)
+            yield RoundOutput(event.round, event.token_ids, len(event.draft.token_ids), event.num_accepted,
+                              event.draft.source)
+
+    async def _round(self, round_index: int) -> RoundEvent:
+        """Draft, verify; the round's event (not yet applied to the state)."""
+        # Drafting past the last token the client can receive is wasted work.
+        wanted = self.draft_length.next_k() if self.draft_length else self.params.num_draft_tokens
+        context = self.state.context_ids
+        with round_span(self.trace_context, round_index) as span:
+            started = time.perf_counter()
+            draft = await self.drafter.propose(context, min(wanted, self.state.draft_room())) if self.drafter \
+                else NO_DRAFT
+            drafted = time.perf_counter()
+            verify = self.verifier.Verify(self._verify_request(draft), timeout=self.timeout_s)
+            if self.prefetch and self.drafter is not None:
+                # The next block crosses the draft link while the verifier works (used if all is accepted).
+                self.drafter.prefetch(context, draft, min(wanted, self.state.draft_room(len(draft.token_ids) + 1)))
+            result = await _session_alive(verify)
+            record_round(span, draft, result.num_accepted)
+        return RoundEvent(round_index, draft, result.num_accepted, list(result.token_ids), drafted - started,
+                          time.perf_counter() - drafted, result.num_waiting, result.num_batch_tokens)
 
     def _verify_request(self, draft: Draft) -> verifier_pb2.VerifyRequest:
         request = verifier_pb2.VerifyRequest(
