@@ -45,13 +45,25 @@ class DraftSession:
     context_len: int = 0           # the caller's context (verified + assumed tokens); the tail starts here
     busy: bool = False             # a caller waits for this session's drafts
     tail_dists: list[SparseDist | None] = field(default_factory=list)   # q of each tail token (None: greedy)
+    tail_alts: list[Alternatives] = field(default_factory=list)          # tree siblings of each tail token
     ahead: ForwardRequest | None = None                                  # background drafting in the queue
+
+
+@dataclass(frozen=True)
+class Alternatives:
+    """Siblings of a draft token in a token tree: the draft's next most likely tokens (one-hot candidates)."""
+    token_ids: tuple[int, ...] = ()
+    probs: tuple[float, ...] = ()
+
+
+NO_ALTERNATIVES = Alternatives()
 
 
 @dataclass(frozen=True)
 class Drafts:
     draft_ids: list[int]
     draft_dists: list[SparseDist]  # empty for greedy drafts
+    alternatives: dict[int, Alternatives] = field(default_factory=dict)   # by draft position (tree_width > 0)
 
 
 @dataclass
@@ -63,6 +75,8 @@ class Proposal:
     max_q_entries: int
     done: Completion
     answered: bool = False
+    tree_width: int = 0
+    tree_confidence: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -76,11 +90,32 @@ class _Propose:
     done: Completion
     num_ahead_tokens: int = 0
     num_assumed_tokens: int = 0    # the context's last tokens are a guess (prefetch): never hashed as verified
+    tree_width: int = 0            # alternatives per low-confidence position
+    tree_confidence: float = 0.0   # top-1 draft probability below which a position gets alternatives
 
 
 @dataclass(frozen=True)
 class _End:
     session_id: str
+
+
+DEFAULT_TREE_CONFIDENCE = 0.8
+
+
+def pick_alternatives(logits: torch.Tensor, proposal: Proposal, chosen: int) -> Alternatives:
+    """Up to tree_width of the draft's most likely tokens other than `chosen`, where the draft's top-1 probability
+    (of the request's distribution: temperature 1 for greedy) is below the confidence threshold."""
+    width = proposal.tree_width
+    if width <= 0:
+        return NO_ALTERNATIVES
+    params = proposal.params
+    probs = torch.softmax(logits.float(), dim=-1) if params.is_greedy else logits_to_probs(logits[None], params)[0]
+    top_p, top_i = torch.topk(probs, min(width + 1, probs.shape[-1]))
+    if float(top_p[0]) >= (proposal.tree_confidence or DEFAULT_TREE_CONFIDENCE):
+        return NO_ALTERNATIVES
+    pairs = [(int(i), float(p)) for i, p in zip(top_i.tolist(), top_p.tolist(), strict=True)
+             if int(i) != chosen and p > 0][:width]
+    return Alternatives(tuple(i for i, _ in pairs), tuple(p for _, p in pairs))
 
 
 def position_seed(base_seed: int, position: int) -> int:
@@ -110,12 +145,12 @@ class DraftEngine(BatchedEngine):
     # ---- called from the event loop ---------------------------------------------------------------------------
     def propose(self, session_id: str, context_len: int, new_token_ids: list[int], num_draft_tokens: int,
                 params: SamplingParams, max_q_entries: int, num_ahead_tokens: int = 0,
-                num_assumed_tokens: int = 0) -> Completion:
+                num_assumed_tokens: int = 0, tree_width: int = 0, tree_confidence: float = 0.0) -> Completion:
         """num_ahead_tokens: tokens to draft in the background after answering (0 = k + 1 if draft-ahead is on).
         num_assumed_tokens: the context's last tokens are not verified yet (a prefetch assumes them accepted)."""
         done = Completion()
         self.post(_Propose(session_id, context_len, new_token_ids, num_draft_tokens, params, max_q_entries, done,
-                           num_ahead_tokens, num_assumed_tokens))
+                           num_ahead_tokens, num_assumed_tokens, tree_width, tree_confidence))
         return done
 
     def end_session(self, session_id: str) -> None:
@@ -165,7 +200,7 @@ class DraftEngine(BatchedEngine):
         if self.draft_ahead:
             lookahead = msg.num_ahead_tokens or (num_draft + 1 if num_draft > 0 else 0)
         proposal = Proposal(session, num_draft, min(num_draft + lookahead, room), msg.params, msg.max_q_entries,
-                            msg.done)
+                            msg.done, tree_width=msg.tree_width, tree_confidence=msg.tree_confidence)
         self._answer_if_ready(proposal)
         if len(session.tail_dists) < proposal.num_total_tokens:
             session.busy = not proposal.answered
@@ -190,15 +225,16 @@ class DraftEngine(BatchedEngine):
             self.num_resets += 1
             self.scheduler.release(seq)
             seq.token_ids, seq.num_computed, seq.num_verified = list(context), 0, 0
-            session.tail_dists = []
+            session.tail_dists, session.tail_alts = [], []
         elif plan.tail_kept_from is not None:
             session.tail_dists = session.tail_dists[plan.tail_kept_from:]
+            session.tail_alts = session.tail_alts[plan.tail_kept_from:]
             if session.tail_dists:
                 self.num_ahead_hits += 1
         else:                                        # stale tail: roll back to the context
             seq.num_computed = min(seq.num_computed, plan.num_computed_cap)
             seq.token_ids = list(context)
-            session.tail_dists = []
+            session.tail_dists, session.tail_alts = [], []
         session.context_len = len(context)
         seq.num_verified = plan.num_verified
         if seq.allocated:
@@ -211,7 +247,10 @@ class DraftEngine(BatchedEngine):
         k = proposal.num_draft_tokens
         tail = session.seq.token_ids[session.context_len:][:k]
         dists = [d for d in session.tail_dists[:k] if d is not None]
-        proposal.done.set_result(Drafts(list(tail), dists))
+        width = proposal.tree_width
+        alts = {i: Alternatives(a.token_ids[:width], a.probs[:width])
+                for i, a in enumerate(session.tail_alts[:k]) if width > 0 and a.token_ids}
+        proposal.done.set_result(Drafts(list(tail), dists, alts))
         proposal.answered = True
         session.busy = False
 
@@ -239,6 +278,7 @@ class DraftEngine(BatchedEngine):
         token, dist = self._sample(proposal, logits)
         seq.token_ids.append(token)
         session.tail_dists.append(dist)
+        session.tail_alts.append(pick_alternatives(logits[0], proposal, token))
         self._answer_if_ready(proposal)
         if len(session.tail_dists) < proposal.num_total_tokens:
             self._enqueue(proposal)

@@ -16,6 +16,8 @@ from specmesh.engine.loop import EngineError
 from specmesh.leases import SessionLeases, check_owner_token, check_session_id
 from specmesh.proto_convert import sampling_from_proto, sparse_dists_to_proto
 
+MAX_TREE_WIDTH = 8
+
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
     def __init__(self, engine: DraftEngine, vocab_size: int, max_draft_tokens: int, max_q_entries: int,
@@ -36,6 +38,9 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             raise EngineError("INVALID_ARGUMENT", "context_len must be >= len(new_token_ids) and > 0")
         if request.num_assumed_tokens > request.context_len:
             raise EngineError("INVALID_ARGUMENT", "num_assumed_tokens must be <= context_len")
+        if request.tree_width > MAX_TREE_WIDTH or not 0.0 <= request.tree_confidence <= 1.0:
+            raise EngineError("INVALID_ARGUMENT",
+                              f"tree_width must be <= {MAX_TREE_WIDTH} and tree_confidence in [0, 1]")
         bad = [t for t in request.new_token_ids if t >= self.vocab_size]
         if bad:
             raise EngineError("INVALID_ARGUMENT", f"new_token_ids: token id {bad[0]} >= vocab size {self.vocab_size}")
@@ -52,14 +57,17 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                 proposal: Drafts = await self.engine.propose(
                     session_id, request.context_len, list(request.new_token_ids), request.num_draft_tokens,
                     params, max_q, min(request.num_ahead_tokens, 2 * self.max_draft_tokens + 1),
-                    request.num_assumed_tokens).future
+                    request.num_assumed_tokens, request.tree_width, request.tree_confidence).future
         except BaseException:
             if opened:      # the call that created the session failed: nothing of it stays (the caller resends)
                 self.leases.close(session_id)
                 self.engine.end_session(session_id)
             raise
+        alternatives = [draft_pb2.DraftAlternative(position=i, token_ids=a.token_ids, probs=a.probs)
+                        for i, a in sorted(proposal.alternatives.items())]
         return draft_pb2.ProposeResponse(draft_token_ids=proposal.draft_ids,
-                                         draft_dists=sparse_dists_to_proto(proposal.draft_dists))
+                                         draft_dists=sparse_dists_to_proto(proposal.draft_dists),
+                                         alternatives=alternatives)
 
     async def EndSession(self, request: common_pb2.EndSessionRequest,
                          context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:

@@ -11,13 +11,13 @@ import contextlib
 import functools
 import logging
 import secrets
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
 
 from gateway.draft_link import BACKOFF_ROUNDS, DraftLink, LinkCall, OnError
+from gateway.draft_tree import build_tree, main_chain_len
 from protos.specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specmesh.proto_convert import sampling_to_proto
 from specmesh.rejection import SparseDist
@@ -38,17 +38,25 @@ class Draft:
 NO_DRAFT = Draft([], None, common_pb2.DRAFT_SOURCE_NONE)
 
 
-class Drafter(Protocol):
-    async def prefill(self, prompt_ids: list[int], num_tokens: int) -> None:
-        """Runs while the verifier prefills: the draft service computes the prompt's KV and drafts ahead."""
+class Proposer(Protocol):
+    """One source of drafts behind one `propose()`: the draft cache, n-gram lookup, the suffix tree (gateway/tiers.py,
+    gateway/suffix_*.py) and the draft model (`ModelDrafter`). A proposer may return NO_DRAFT; whatever it returns
+    is verified, so no proposer can change output. `observe` is the round's outcome (see RequestState.on_round)."""
 
     async def propose(self, context_ids: list[int], num_tokens: int) -> Draft: ...
 
+    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int]) -> None: ...
+
+
+class Drafter(Proposer, Protocol):
+    """What a generation drafts with: a proposer (or a choice among proposers, e.g. the tiers) that also prefills
+    alongside the verifier, may prefetch the next block, and releases its sessions on close."""
+
+    async def prefill(self, prompt_ids: list[int], num_tokens: int) -> None:
+        """Runs while the verifier prefills: the draft service computes the prompt's KV and drafts ahead."""
+
     def prefetch(self, context_ids: list[int], draft: Draft, num_tokens: int) -> None:
         """Told when the verifier starts on `draft`: may start fetching the block after it (a guess)."""
-
-    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int]) -> None:
-        """Told after each verify: the round's draft, how many were accepted, every verified output token."""
 
     async def close(self) -> None: ...
 
@@ -74,6 +82,7 @@ class ModelDrafter:
     # refuses the session's calls without it. It binds again when the service lost the session (whole context).
     owner_token: str = field(default_factory=lambda: secrets.token_urlsafe(16), repr=False)
     link: DraftLink = field(default_factory=DraftLink)
+    tree_width: int = 0                      # > 0: token trees (alternatives at low-confidence positions)
     num_prefetch_hits: int = 0               # rounds drafted from a prefetch (no draft-link round trip waited for)
     bytes_sent: int = 0                      # serialized Propose requests / responses (the draft link's traffic)
     bytes_received: int = 0
@@ -105,13 +114,14 @@ class ModelDrafter:
         answer crosses the draft link while the verifier works; `propose` uses it when the guess came true and
         otherwise drops it (the service supersedes a stale prefetch when the next Propose arrives)."""
         self._drop_prefetch()
+        chain = draft.token_ids[:main_chain_len(draft.parents, len(draft.token_ids))]   # a tree: its main chain
         if num_tokens <= 0 or self.link.backoff_rounds > 0 or draft.source != common_pb2.DRAFT_SOURCE_MODEL \
-                or not draft.token_ids or draft.parents is not None:
+                or not chain:
             return
-        call = self.link.send(context_ids + draft.token_ids, num_verified=len(context_ids))
+        call = self.link.send(context_ids + chain, num_verified=len(context_ids))
         task = asyncio.ensure_future(self._call(call, num_tokens + 1))
         task.add_done_callback(functools.partial(self._prefetch_done, call))
-        self._prefetch = _Prefetch(len(context_ids), list(draft.token_ids), task)
+        self._prefetch = _Prefetch(len(context_ids), chain, task)
 
     async def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
         prefetched = await self._take_prefetch(context_ids, num_tokens)
@@ -131,7 +141,7 @@ class ModelDrafter:
                     log.warning("draft service failed (%s: %s); target-only for %d rounds", exc.code().name,
                                 exc.details(), BACKOFF_ROUNDS)
                 return NO_DRAFT
-            return _to_draft(response.draft_token_ids, response.draft_dists)
+            return _to_draft(response, 0, num_tokens)
         return NO_DRAFT
 
     async def _take_prefetch(self, context_ids: list[int], num_tokens: int) -> Draft | None:
@@ -149,7 +159,7 @@ class ModelDrafter:
         if len(response.draft_token_ids) < 2 or response.draft_token_ids[0] != context_ids[-1]:
             return None
         self.num_prefetch_hits += 1
-        return _to_draft(response.draft_token_ids[1:1 + num_tokens], response.draft_dists[1:1 + num_tokens])
+        return _to_draft(response, 1, num_tokens)
 
     @property
     def prefetching(self) -> bool:
@@ -171,7 +181,7 @@ class ModelDrafter:
             session_id=self.session_id, owner_token=self.owner_token, context_len=call.context_len,
             new_token_ids=call.new_token_ids, num_draft_tokens=num_tokens, sampling=sampling_to_proto(self.sampling),
             max_q_entries=self.max_q_entries, num_ahead_tokens=num_ahead_tokens,
-            num_assumed_tokens=call.num_assumed_tokens)
+            num_assumed_tokens=call.num_assumed_tokens, tree_width=self.tree_width)
         self.bytes_sent += request.ByteSize()
         response = await self.stub.Propose(request, timeout=self.timeout_s)
         self.bytes_received += response.ByteSize()
@@ -191,6 +201,12 @@ class ModelDrafter:
                                                                     owner_token=self.owner_token), timeout=2.0)
 
 
-def _to_draft(token_ids: Sequence[int], dists: Sequence[common_pb2.SparseDist]) -> Draft:
-    return Draft(list(token_ids), [SparseDist(tuple(d.token_ids), tuple(d.probs)) for d in dists] or None,
-                 common_pb2.DRAFT_SOURCE_MODEL)
+def _to_draft(response: draft_pb2.ProposeResponse, start: int, num_tokens: int) -> Draft:
+    """Draft positions start .. start + num_tokens - 1 of the response (a prefetch answers its guess first), with
+    their alternatives as tree leaves (gateway/draft_tree.py)."""
+    end = start + num_tokens
+    dists = [SparseDist(tuple(d.token_ids), tuple(d.probs)) for d in response.draft_dists[start:end]] or None
+    chain = list(response.draft_token_ids[start:end])
+    alternatives = {a.position - start: list(a.token_ids) for a in response.alternatives if start <= a.position < end}
+    ids, parents, dists = build_tree(chain, dists, alternatives)
+    return Draft(ids, dists, common_pb2.DRAFT_SOURCE_MODEL, parents)

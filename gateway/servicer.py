@@ -113,7 +113,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         drafter = None
         if self.draft is not None and params.num_draft_tokens > 0:
             drafter = ModelDrafter(self.draft, session_id, params.sampling,
-                                   min(self.config.draft_timeout_s, verifier_timeout))
+                                   min(self.config.draft_timeout_s, verifier_timeout),
+                                   tree_width=self.config.draft_tree_width)
         if self.tiers is not None and params.num_draft_tokens > 0:
             drafter = self.tiers.drafter(params, drafter, self.tiers.tenant(context.invocation_metadata()))
         first = next(self._next_replica) % len(self.verifiers)

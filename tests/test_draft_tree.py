@@ -1,0 +1,106 @@
+"""Tree drafting (GatewayConfig.draft_tree_width): the draft service's alternatives, the gateway's tree, and exact
+greedy output through the full tiny stack."""
+
+from __future__ import annotations
+
+import itertools
+
+import grpc
+import pytest
+import pytest_asyncio
+from transformers import AutoTokenizer
+
+from gateway.draft_tree import build_tree, main_chain_len
+from gateway.drafters import ModelDrafter
+from protos.specmesh.v1 import draft_pb2, draft_pb2_grpc
+from specmesh import client
+from specmesh.models import resolve_model_dir
+from specmesh.rejection import SparseDist
+from specmesh.sampling import SamplingParams
+from specmesh.tree import check_parents
+from tests.stack import reference_greedy, start_draft, start_gateway, start_verifier
+
+CONTEXT = [(13 * i + 7) % 200 + 10 for i in range(40)]
+_ids = itertools.count()
+
+
+def test_build_tree_puts_alternatives_beside_their_chain_token() -> None:
+    ids, parents, dists = build_tree([5, 6, 7], None, {0: [8, 9], 2: [10]})
+    assert ids == [5, 6, 7, 8, 9, 10] and parents == [-1, 0, 1, -1, -1, 1] and dists is None
+    check_parents(parents, len(ids))
+    assert main_chain_len(parents, len(ids)) == 3 and main_chain_len(None, 3) == 3
+    q = [SparseDist((5, 1), (0.6, 0.4))] * 3
+    ids, parents, dists = build_tree([5, 6, 7], q, {1: [11]})
+    assert dists is not None and dists[3] == SparseDist((11,), (1.0,))        # one-hot, tried after the sampled one
+    assert build_tree([5, 6], None, {}) == ([5, 6], None, None)                # no alternatives: a plain chain
+    ids, parents, _ = build_tree([1, 2], None, {0: [3, 4, 5], 1: [6]}, max_nodes=4)
+    assert ids == [1, 2, 3, 4] and parents == [-1, 0, -1, -1]                  # earliest positions first
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def draft():
+    running = await start_draft("tiny-draft")
+    channel = grpc.aio.insecure_channel(running.addr)
+    yield running, draft_pb2_grpc.DraftStub(channel)
+    await channel.close()
+    await running.stop()
+
+
+async def propose(stub: draft_pb2_grpc.DraftStub, width: int, confidence: float = 0.0) -> draft_pb2.ProposeResponse:
+    return await stub.Propose(draft_pb2.ProposeRequest(
+        session_id=f"tree-{next(_ids)}", owner_token="t", context_len=len(CONTEXT), new_token_ids=CONTEXT,
+        num_draft_tokens=4, tree_width=width, tree_confidence=confidence))
+
+
+async def test_draft_service_returns_alternatives_at_low_confidence_positions(draft) -> None:
+    _, stub = draft
+    chain = await propose(stub, 0)
+    assert not chain.alternatives
+    tree = await propose(stub, 2, confidence=1.0)                # every position is below 100% confidence
+    assert list(tree.draft_token_ids) == list(chain.draft_token_ids)           # alternatives never change the chain
+    assert [a.position for a in tree.alternatives] == [0, 1, 2, 3]
+    for alt in tree.alternatives:
+        assert len(alt.token_ids) == 2 and tree.draft_token_ids[alt.position] not in alt.token_ids
+        assert list(alt.probs) == sorted(alt.probs, reverse=True)
+    confident = await propose(stub, 2, confidence=1e-9)         # nothing is below ~0 confidence
+    assert not confident.alternatives
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await propose(stub, 99)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_model_drafter_sends_a_tree_and_prefetches_its_main_chain(draft) -> None:
+    _, stub = draft
+    drafter = ModelDrafter(stub, f"tree-{next(_ids)}", SamplingParams(), timeout_s=30.0, tree_width=2)
+    block = await drafter.propose(CONTEXT, 4)
+    assert block.parents is not None and len(block.token_ids) > 4           # tiny-draft is never 80% sure
+    check_parents(block.parents, len(block.token_ids))
+    chain = block.token_ids[:4]
+    assert main_chain_len(block.parents, len(block.token_ids)) == 4
+    drafter.prefetch(CONTEXT, block, 4)
+    assert drafter.prefetching
+    guess = (await drafter._prefetch.task).draft_token_ids[0]               # the draft's own next token
+    nxt = await drafter.propose(CONTEXT + chain + [guess], 4)
+    assert drafter.num_prefetch_hits == 1 and nxt.token_ids[:4] and nxt.parents is not None
+    await drafter.close()
+
+
+PROMPTS = ["The quick brown fox", "def fibonacci(n):\n    return", "1, 2, 3, 4,"]
+
+
+@pytest.mark.parametrize("draft_model", ["tiny-draft", "tiny-draft-unrelated"])
+async def test_tree_drafts_give_exactly_the_target_greedy_output(draft_model: str) -> None:
+    verifier = await start_verifier()
+    draft_service = await start_draft(draft_model)
+    gateway = await start_gateway(verifier.addr, draft_service.addr, draft_tree_width=2)
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir("tiny-target")))
+    try:
+        for prompt in PROMPTS:
+            request = client.make_request(prompt, max_new_tokens=20, num_draft_tokens=4, ignore_eos=True)
+            responses = [r async for r in client.stream(gateway.addr, request, timeout_s=120)]
+            ids = [t for r in responses for t in r.token_ids]
+            assert ids == reference_greedy(tokenizer(prompt)["input_ids"], 20)
+            assert any(r.round.num_drafted > 4 for r in responses)            # trees were verified
+    finally:
+        for running in (gateway, draft_service, verifier):
+            await running.stop()
