@@ -87,6 +87,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add_workload_args(p)
     p.add_argument("--long-limit", type=int, default=0,
                    help="prompts per category at lengths above the shortest (0 = --limit)")
+    p.add_argument("--long-categories", default="", help="categories at lengths above the shortest ('' = all)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--layouts", default="a,b", help=f"from {','.join(LAYOUTS)}")
     p.add_argument("--lengths", default="64,256", help="max_new_tokens values")
@@ -128,17 +129,23 @@ def peer_prompts(prompts: dict[int, list[Prompt]], args: argparse.Namespace, lim
     """The stack's prompts at the peers' lengths, at most `limit` per category (0 = all of them)."""
     out = {}
     for length in args.peer_length_list:
-        selected = prompts.get(length) or load_workload(args.workload, split_csv(args.categories), True,
-                                                        prompt_cap(length, args.length_list, args.limit,
-                                                                   args.long_limit))
+        selected = prompts.get(length) or select_prompts(args, length)
         out[length] = [p for i, p in enumerate(selected)
                        if not limit or sum(q.category == p.category for q in selected[:i + 1]) <= limit]
     return out
 
 
 def prompts_by_length(args: argparse.Namespace) -> dict[int, list[Prompt]]:
-    return {n: load_workload(args.workload, split_csv(args.categories), True,
-                             prompt_cap(n, args.length_list, args.limit, args.long_limit)) for n in args.length_list}
+    return {n: select_prompts(args, n) for n in args.length_list}
+
+
+def select_prompts(args: argparse.Namespace, length: int) -> list[Prompt]:
+    """The workload prompts at one length: --categories / --limit, or --long-categories / --long-limit above
+    the shortest length."""
+    longer = length > min(args.length_list)
+    categories = split_csv(args.long_categories if longer and args.long_categories else args.categories)
+    return load_workload(args.workload, categories, True,
+                         prompt_cap(length, args.length_list, args.limit, args.long_limit))
 
 
 # ------------------------------------------------------------------------------------------------- stack arms

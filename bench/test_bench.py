@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from bench import kv_accounting as kv
+from bench import speedup
 from bench.common import DEFAULT_WORKLOAD, Prompt, RequestResult, first_mismatch, load_workload
 from bench.llamacpp_peer import PeerRun, chat_body, mark_identical, server_command
 from bench.llamacpp_peer import summarize as peer_summarize
@@ -320,3 +321,14 @@ def test_stack_config_taskset_pins_the_child_itself() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_speedup_prompt_selection_per_length_and_for_the_peers() -> None:
+    args = speedup.parse_args(["--lengths", "64,256", "--limit", "2", "--long-limit", "1", "--long-categories",
+                               "chat,code", "--peer-lengths", "64"])
+    prompts = speedup.prompts_by_length(args)
+    assert len(prompts[64]) == 2 * len({p.category for p in load_workload(DEFAULT_WORKLOAD)})
+    assert [p.category for p in prompts[256]] == ["chat", "code"]
+    peers = speedup.peer_prompts(prompts, args, limit=1)
+    assert list(peers) == [64] and len(peers[64]) == len({p.category for p in prompts[64]})
+    assert speedup.parse_args(["--max-new-tokens", "16"]).length_list == [16]
