@@ -200,11 +200,18 @@ def run_peer(server: str, preset: str, prompts: Sequence[Prompt], lengths: Seque
         reason = "no llama-server binary" if not server else f"no GGUF files for preset {preset} in {GGUF_DIR}"
         log(f"llama.cpp peer skipped: {reason}")
         return {"skipped": reason}
-    runs = [r for t in threads for config in CONFIGS
-            for r in run_config(server, pair, config, t, prompts, lengths, draft_max)]
+    runs: list[PeerRun] = []
+    failed = []
+    for t in threads:
+        for config in CONFIGS:
+            try:
+                runs += run_config(server, pair, config, t, prompts, lengths, draft_max)
+            except (RuntimeError, TimeoutError, OSError) as exc:   # the stack's results must survive a bad peer
+                failed.append(f"{config} t{t}: {exc}")
+                log(f"llama.cpp {config} t{t} failed: {exc}")
     mark_identical(runs)
     return {"server": server, "target": str(pair[0]), "draft": str(pair[1]), "summary": summarize(runs),
-            "runs": [asdict(r) for r in runs]}
+            "failed": failed, "runs": [asdict(r) for r in runs]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -96,6 +96,8 @@ def print_report(report: dict[str, Any]) -> None:
     print_peers(report, lengths)
     if "skipped" in report.get("llamacpp", {}):
         print(f"llama.cpp peer not run: {report['llamacpp']['skipped']}")
+    for failure in report.get("llamacpp", {}).get("failed", []):
+        print(f"llama.cpp peer failed: {failure}")
     print("\ndraft/target cost ratio c per layout (in-process transformers): "
           + ", ".join(f"{k} {v:.2f}" for k, v in report.get("cost_ratio", {}).items()))
     for key, a in report.get("analytic", {}).items():
