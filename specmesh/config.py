@@ -40,6 +40,8 @@ class EngineConfig:
     model: str = "tiny-target"         # HF directory, .gguf file, or a preset (see `specmesh models list`)
     dtype: str = "float32"             # float32 keeps greedy speculation exact (see README: numerics)
     num_threads: int = 1               # torch threads for this service
+    num_threads_max: int = 0           # > num_threads: steps of >= max_threads_min_tokens tokens use this many threads
+    max_threads_min_tokens: int = 8    # 1 = every step (a verifier sharing its host with an idle draft service)
     block_size: int = 16               # tokens per KV block
     kv_cache_memory_mb: int = 512      # KV pool budget (the CPU analogue of --gpu-memory-utilization)
     num_kv_blocks: int = 0             # exact pool size in blocks; 0 = derive from kv_cache_memory_mb

@@ -119,3 +119,71 @@ def test_batched_attention_matches_per_sequence_attention(rowwise: bool, tree: b
     out, _ = paged_attention_forward(layer, query, new_k, new_v, None, scaling=0.3, paged_batch=batch)
     expected = reference_attention(query, [k for k, _ in contexts], [v for _, v in contexts], seqs, 0.3)
     torch.testing.assert_close(out[0], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_int8_logits_do_not_depend_on_the_thread_count() -> None:
+    """The engine may raise its threads for big steps (num_threads_max): a block verified on 2 threads equals the
+    one-token decodes on 1 thread."""
+    runner = runner_for("int8")
+    context, block = random_ids(50, seed=1), random_ids(9, seed=2)
+    prefill(runner, 0, context)
+    single = [runner.forward([ForwardItem(block[i:i + 1], 50 + i, table(0), 1)])[0][0] for i in range(9)]
+    torch.set_num_threads(2)
+    try:
+        verified = runner.forward([ForwardItem(block, 50, table(0), 9)])[0]
+        alone_on_two = runner.forward([ForwardItem(block[:1], 50, table(0), 1)])[0][0]
+    finally:
+        torch.set_num_threads(1)
+    assert torch.equal(verified, torch.stack(single))
+    assert torch.equal(alone_on_two, single[0])
+
+
+def test_rowwise_attention_is_the_same_on_1_and_2_threads() -> None:
+    """Qwen2.5-1.5B's head shape (12 heads, 2 KV heads, 128 dims): SDPA's 2-thread path for one row differs in the
+    last bits, so the rowwise path runs its SDPA calls on one thread."""
+    g = torch.Generator().manual_seed(3)
+    cache = PagedKVCache(1, 40, 16, 2, 128, torch.float32)
+    context = 100
+    cache.write(0, torch.arange(context), torch.randn(context, 2, 128, generator=g),
+                torch.randn(context, 2, 128, generator=g))
+    batch = PagedBatch.build(cache, torch.tensor([context]), [SeqSlice(0, 1, context + 1, list(range(7)))], True)
+    query, key, value = (torch.randn(1, h, 1, 128, generator=g) for h in (12, 2, 2))
+    layer = torch.nn.Module()
+    layer.layer_idx = 0
+    one, _ = paged_attention_forward(layer, query, key, value, None, scaling=0.1, paged_batch=batch)
+    torch.set_num_threads(2)
+    try:
+        two, _ = paged_attention_forward(layer, query, key, value, None, scaling=0.1, paged_batch=batch)
+    finally:
+        torch.set_num_threads(1)
+    assert torch.equal(one, two)
+
+
+def test_thread_policy_uses_more_threads_for_big_steps() -> None:
+    from specmesh.engine.batched import BatchedEngine
+    from specmesh.engine.block_manager import BlockManager
+    from specmesh.engine.scheduler import ForwardRequest, SeqState
+
+    class Engine(BatchedEngine):
+        sessions: dict = {}
+
+        def idle_seqs(self):
+            return []
+
+        def finish(self, request, logits):
+            request.seq.num_computed = len(request.seq.token_ids)
+            self.scheduler.commit(request.seq)
+
+    runner = runner_for("int8")
+    engine = Engine("test", runner, BlockManager(64, BLOCK), 256, 8, num_threads=1)
+    engine.set_thread_policy(2, min_tokens=8)
+    seen: list[int] = []
+    real = runner.forward_flat
+    runner.forward_flat = lambda items: (seen.append(torch.get_num_threads()), real(items))[1]
+    try:
+        for n in (4, 12, 3):
+            engine.scheduler.enqueue(ForwardRequest(SeqState(n, random_ids(n, seed=n), n), [], 1))
+            engine.step()
+    finally:
+        torch.set_num_threads(1)
+    assert seen == [1, 2, 1]

@@ -36,6 +36,9 @@ class BatchedEngine(EngineThread):
         self.block_manager = block_manager
         self.scheduler = Scheduler(block_manager, max_num_batched_tokens, max_num_seqs)
         self.num_steps = 0
+        self.num_threads = num_threads
+        self.num_threads_max = num_threads     # see set_thread_policy
+        self.max_threads_min_tokens = 0
         self.num_batch_tokens = 0      # tokens in the forward being finished (every sequence in the batch)
         self.metrics = EngineMetrics()
         self._logits = torch.empty(0, 0)           # the current step's logits, rows of finished requests
@@ -43,6 +46,17 @@ class BatchedEngine(EngineThread):
         self._argmax: list[int] | None = None     # argmax of every row of _logits, computed on first use
         self.metrics.watch(lambda: self.scheduler.num_waiting, lambda: len(self.sessions),
                            lambda: block_manager.num_used_blocks, lambda: block_manager.num_free_blocks)
+
+    def set_thread_policy(self, num_threads_max: int, min_tokens: int) -> None:
+        """Steps of at least `min_tokens` tokens run on `num_threads_max` torch threads (0 or less than num_threads:
+        off). For a verifier sharing its host with a draft service that idles while it verifies: min_tokens 1."""
+        self.num_threads_max = max(self.num_threads, num_threads_max)
+        self.max_threads_min_tokens = max(1, min_tokens)
+
+    def threads_for(self, num_tokens: int) -> int:
+        if self.num_threads_max > self.num_threads and num_tokens >= self.max_threads_min_tokens:
+            return self.num_threads_max
+        return self.num_threads
 
     def has_work(self) -> bool:
         return self.scheduler.num_waiting > 0
@@ -70,6 +84,9 @@ class BatchedEngine(EngineThread):
             return
         self.num_batch_tokens = sum(len(item.token_ids) for item in items)
         links = [self.span_context(i.request) for i in batch] if self.trace_steps else None
+        threads = self.threads_for(self.num_batch_tokens)
+        if threads != torch.get_num_threads():       # the engine thread's own setting (int8 logits do not change)
+            torch.set_num_threads(threads)
         try:
             with forward_span(self._name, self.metrics, batch, links):
                 logits = self.runner.forward_flat(items)

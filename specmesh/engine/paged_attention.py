@@ -203,7 +203,20 @@ def paged_attention_forward(
 
 def _rowwise(batch: PagedBatch, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
              scaling: float | None) -> torch.Tensor:
-    """query [H, T, D]; keys, values [B, L, kvH, D] -> [T, H, D]."""
+    """query [H, T, D]; keys, values [B, L, kvH, D] -> [T, H, D]. Runs on one torch thread: SDPA's multi-threaded
+    path for a single row differs in the last bits, and the engine may change its thread count between steps."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return _rowwise_groups(batch, query, keys, values, scaling)
+    torch.set_num_threads(1)
+    try:
+        return _rowwise_groups(batch, query, keys, values, scaling)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _rowwise_groups(batch: PagedBatch, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    scaling: float | None) -> torch.Tensor:
     gqa = query.shape[0] != keys.shape[2]
     outputs = []
     for g in batch.row_groups:
