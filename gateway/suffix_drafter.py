@@ -83,6 +83,8 @@ class SuffixDrafter(TieredDrafter):
             draft = Draft(suffix.token_ids, None, SOURCES[best], None if suffix.is_chain else suffix.parents)
         for p in (LOCAL, GLOBAL):
             self._count(SOURCES[p], proposals[p].token_ids if best == p else [])
+        with_suffix_nodes = best != MODEL or len(draft.token_ids) > model_len
+        self.tiers.stats.tree_drafts += draft.parents is not None and with_suffix_nodes
         if best is not None and draft.token_ids:
             self._round = _Round(best, suffix_from, proposals[suffix_from], draft, model_len,
                                  time.perf_counter())

@@ -25,6 +25,7 @@ class DraftingStats:
     draft_bytes_received: int = 0    # serialized ProposeResponse bytes from it
     prefetch_sent: int = 0           # next-block Proposes sent while the verifier worked
     prefetch_hits: int = 0           # ... whose guess came true: a round drafted without waiting on the draft link
+    tree_drafts: int = 0             # suffix drafting: rounds drafted as a token tree (branches, or model + suffix)
 
     def tier(self, source: int) -> TierCounters | None:
         name = TIER_NAMES.get(source)
@@ -36,4 +37,5 @@ class DraftingStats:
         out["draft_bytes_sent"] = self.draft_bytes_sent
         out["draft_bytes_received"] = self.draft_bytes_received
         out["prefetch_sent"], out["prefetch_hits"] = self.prefetch_sent, self.prefetch_hits
+        out["tree_drafts"] = self.tree_drafts
         return out

@@ -35,10 +35,12 @@ async def stack():
           "cache_read_timeout_s": 0.5}                           # a loaded test machine: no spurious misses
     first = await start_gateway(verifier.addr, draft.addr, **on)
     second = await start_gateway(verifier.addr, draft.addr, **on)
-    alone = await start_gateway(verifier.addr, "", suffix_drafting=True)   # no draft service, in-process store
+    alone = await start_gateway(verifier.addr, "", suffix_drafting=True)   # no draft service, no store: own context
+    tree = await start_gateway(verifier.addr, draft.addr, suffix_drafting=True, draft_tree_width=1,
+                               enable_cache=True)                           # in-process store
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir("tiny-target")))
-    yield {"store": store, "first": first, "second": second, "alone": alone, "tokenizer": tokenizer}
-    for running in (first, second, alone, draft, verifier):
+    yield {"store": store, "first": first, "second": second, "alone": alone, "tree": tree, "tokenizer": tokenizer}
+    for running in (first, second, alone, tree, draft, verifier):
         await running.stop()
     store.kill()
 
@@ -123,3 +125,14 @@ async def test_own_context_drafts_without_a_draft_service(stack) -> None:
     assert total > 0
     ids, _ = await generate(stack["alone"].addr, "1, 2, 3, 1, 2, 3, 1, 2", temperature=0.8, seed=5)
     assert len(ids) == MAX_NEW                                    # one-hot drafts under sampling
+
+
+async def test_tree_drafts_keep_greedy_output(stack) -> None:
+    """Suffix branches and model + suffix trees through the verifier's tree verification: the output stays exact,
+    and a repeated prompt is drafted from the store (branches beside the right path cost nothing)."""
+    for prompt in [*REPETITIVE, "How do I reset my password?"]:
+        ids, _ = await generate(stack["tree"].addr, prompt)
+        assert ids == expected(stack, prompt)
+    ids, responses = await generate(stack["tree"].addr, "How do I reset my password?")
+    assert ids == expected(stack, "How do I reset my password?")
+    assert sum(r.num_accepted for r in rounds(responses, SHARED)) >= MAX_NEW // 2

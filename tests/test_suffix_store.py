@@ -186,3 +186,30 @@ async def test_drafter_scope_is_per_tenant_unless_shared(shared: bool) -> None:
     other = await tiers.drafter(params, None, "beta").propose(context, 4)
     assert other.token_ids == (output[2:] if shared else [])
     assert tiers.snapshot()["cache_hits"] == (2 if shared else 1)
+
+
+async def test_drafter_proposes_a_tree_where_two_continuations_are_frequent() -> None:
+    prompt = [5, 1, 2, 3, 9, 9, 6, 1, 2, 3, 8, 8, 7, 1, 2]
+    params = GenerationParams("r", prompt, SamplingParams(), 32, (), 4, True)
+    tiers = DraftTiers(TierSettings(vocab_size=1000, suffix_drafting=True, max_branches=2), None)
+    draft = await tiers.drafter(params, None, "alpha").propose(prompt + [3], 4)   # "1 2 3": then 9 9 6 or 8 8 7
+    assert draft.source == common_pb2.DRAFT_SOURCE_NGRAM
+    assert draft.parents is not None
+    paths = {tuple(draft.token_ids[j] for j in path) for path in _leaf_paths(draft.parents)}
+    assert paths == {(8, 8, 7), (9, 9, 6)}                     # 3 matched tokens: at most 6 nodes
+    assert tiers.snapshot()["tree_drafts"] == 1
+    chains = DraftTiers(TierSettings(vocab_size=1000, suffix_drafting=True), None)
+    chain = await chains.drafter(params, None, "alpha").propose(prompt + [3], 4)
+    assert chain.parents is None and chain.token_ids == [8, 8, 7, 1, 2, 3]    # a tie: the smaller id (p = 0.5)
+
+
+def _leaf_paths(parents: list[int]) -> list[list[int]]:
+    leaves = set(range(len(parents))) - set(parents)
+    out = []
+    for leaf in sorted(leaves):
+        path, node = [], leaf
+        while node >= 0:
+            path.insert(0, node)
+            node = parents[node]
+        out.append(path)
+    return out
