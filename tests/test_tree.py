@@ -12,11 +12,13 @@ from specmesh.rejection import SparseDist, rejection_sample, verify_greedy
 from specmesh.sampling import make_generator, sparsify
 from specmesh.tree import (
     ancestor_mask,
+    block_layout,
     chain_parents,
     check_parents,
     children,
     depths,
     is_chain,
+    keep_shallow,
     path_to,
     visible_rows,
 )
@@ -142,3 +144,15 @@ def test_a_rejected_one_hot_candidate_is_never_emitted_by_its_duplicate() -> Non
     outcomes = [tree_rejection_sample(p, [0, 0], [-1, -1], [one_hot, one_hot], gen) for _ in range(300)]
     assert {tuple(a) for a, _ in outcomes} == {(), (0,)}          # the duplicate (node 1) is never accepted
     assert all(final == 1 for a, final in outcomes if not a)      # rejected: the residual holds only token 1
+
+
+def test_keep_shallow_prunes_to_the_context() -> None:
+    assert keep_shallow(PARENTS, 1) == ([0, 1, 4], [-1, -1, -1])
+    assert keep_shallow(PARENTS, 2) == (list(range(6)), PARENTS)
+    assert keep_shallow(chain_parents(5), 3) == ([0, 1, 2], [-1, 0, 1])
+
+
+def test_block_layout_positions_and_rows() -> None:
+    offsets, rows = block_layout(2, [-1, -1, 0])
+    assert offsets == [0, 1, 2, 3, 3, 4]
+    assert rows == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 4], [0, 1, 2, 3, 5]]

@@ -85,3 +85,17 @@ def test_accepted_branch_kv_moved_into_place_continues_exactly(model: tuple[torc
         alone.forward([ForwardItem([t], base - 1 + j, TABLE, 1)])
     expected = alone.forward([ForwardItem([bonus], base + len(accepted), TABLE, 1)])[0][0]
     _assert_same(after, expected, model[1])
+
+
+def test_tree_after_uncomputed_context_in_the_same_forward(model: tuple[torch.nn.Module, bool]) -> None:
+    """A recomputed sequence (preempted) runs its context and the tree in one item: same logits as in two."""
+    gen = torch.Generator().manual_seed(3)
+    context = torch.randint(3, 500, (20,), generator=gen).tolist()
+    nodes = torch.randint(3, 500, (len(PARENTS),), generator=gen).tolist()
+    split = _runner(model)
+    split.forward([ForwardItem(context[:-1], 0, TABLE, 0)])
+    expected = split.forward([ForwardItem([context[-1], *nodes], 19, TABLE, len(nodes) + 1, tree_parents=PARENTS)])
+    joined = _runner(model)
+    joined.forward([ForwardItem(context[:6], 0, TABLE, 0)])
+    actual = joined.forward([ForwardItem([*context[6:], *nodes], 6, TABLE, len(nodes) + 1, tree_parents=PARENTS)])
+    _assert_same(actual[0], expected[0], model[1])
