@@ -12,10 +12,12 @@ import functools
 import logging
 import secrets
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
+if TYPE_CHECKING:
+    from gateway.round_outcomes import RoundOutcomes
 from gateway.draft_link import BACKOFF_ROUNDS, DraftLink, LinkCall, OnError
 from gateway.draft_tree import build_tree, main_chain_len
 from protos.specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -83,6 +85,7 @@ class ModelDrafter:
     owner_token: str = field(default_factory=lambda: secrets.token_urlsafe(16), repr=False)
     link: DraftLink = field(default_factory=DraftLink)
     tree_width: int = 0                      # > 0: token trees (alternatives at low-confidence positions)
+    outcomes: RoundOutcomes | None = None    # gateway-wide: whether a prefetch guessed the bonus token
     num_prefetch_hits: int = 0               # rounds drafted from a prefetch (no draft-link round trip waited for)
     bytes_sent: int = 0                      # serialized Propose requests / responses (the draft link's traffic)
     bytes_received: int = 0
@@ -156,7 +159,10 @@ class ModelDrafter:
             response = await pre.task
         except grpc.aio.AioRpcError:
             return None
-        if len(response.draft_token_ids) < 2 or response.draft_token_ids[0] != context_ids[-1]:
+        guessed = len(response.draft_token_ids) > 0 and response.draft_token_ids[0] == context_ids[-1]
+        if self.outcomes is not None:
+            self.outcomes.observe_bonus(guessed)
+        if len(response.draft_token_ids) < 2 or not guessed:
             return None
         self.num_prefetch_hits += 1
         return _to_draft(response, 1, num_tokens)

@@ -23,6 +23,7 @@ class RoundEvent:
     verify_s: float              # seconds the round waited for its Verify
     num_waiting: int             # the verifier's load when it answered
     num_batch_tokens: int
+    accepted_node_indices: list[int] = field(default_factory=list)   # a tree's accepted path (empty: a chain)
 
 
 RoundListener = Callable[[RoundEvent, "RequestState"], None]

@@ -113,7 +113,8 @@ class Generation:
             result = await _session_alive(verify)
             record_round(span, draft, result.num_accepted)
         return RoundEvent(round_index, draft, result.num_accepted, list(result.token_ids), drafted - started,
-                          time.perf_counter() - drafted, result.num_waiting, result.num_batch_tokens)
+                          time.perf_counter() - drafted, result.num_waiting, result.num_batch_tokens,
+                          list(result.accepted_node_indices))
 
     def _verify_request(self, draft: Draft) -> verifier_pb2.VerifyRequest:
         request = verifier_pb2.VerifyRequest(

@@ -96,4 +96,5 @@ async def build_gateway_parts(config: GatewayConfig, wait_for_verifier_s: float 
     server.on_stop.append(watch.close)
     server.on_stop.append(tiers.close)
     server.stats["drafting"] = tiers.snapshot
+    server.stats["round_outcomes"] = servicer.outcomes.snapshot   # specmesh_round_outcomes_* counters
     return Gateway(server, model, tokenizer, metrics, watch)

@@ -15,8 +15,10 @@ from transformers import PreTrainedTokenizerBase
 
 from gateway.adaptive import DraftLengthController
 from gateway.drafters import ModelDrafter
+from gateway.request_state import RequestState, RoundEvent
 from gateway.request_telemetry import RequestTelemetry
 from gateway.round_loop import Generation, RoundOutput
+from gateway.round_outcomes import RoundOutcomes
 from gateway.text_stream import TextStream
 from gateway.tiers import DraftTiers
 from gateway.validation import GenerationParams, validate_request
@@ -61,6 +63,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self._next_replica = itertools.count()
         self.draft = draft
         self._cleanups: set[asyncio.Task[None]] = set()
+        self.outcomes = RoundOutcomes()             # how model-drafted rounds ended (gateway-wide counters)
 
     async def Generate(self, request: generate_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
@@ -114,7 +117,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if self.draft is not None and params.num_draft_tokens > 0:
             drafter = ModelDrafter(self.draft, session_id, params.sampling,
                                    min(self.config.draft_timeout_s, verifier_timeout),
-                                   tree_width=self.config.draft_tree_width)
+                                   tree_width=self.config.draft_tree_width, outcomes=self.outcomes)
         if self.tiers is not None and params.num_draft_tokens > 0:
             drafter = self.tiers.drafter(params, drafter, self.tiers.tenant(context.invocation_metadata()))
         first = next(self._next_replica) % len(self.verifiers)
@@ -122,8 +125,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         draft_length = None
         if self.config.adaptive_draft_length and params.num_draft_tokens > 0:
             draft_length = DraftLengthController(max_k=params.num_draft_tokens, initial_k=params.num_draft_tokens)
-        return Generation(params, session_id, order, drafter, verifier_timeout, trace_context, draft_length,
-                          prefetch=self.config.draft_prefetch)
+        generation = Generation(params, session_id, order, drafter, verifier_timeout, trace_context, draft_length,
+                                prefetch=self.config.draft_prefetch)
+        generation.state.listeners.append(self._count_outcome)
+        return generation
+
+    def _count_outcome(self, event: RoundEvent, state: RequestState) -> None:
+        if event.draft.source == common_pb2.DRAFT_SOURCE_MODEL:
+            self.outcomes.observe(event.draft, event.num_accepted, event.accepted_node_indices)
 
     async def _stream(self, params: GenerationParams,
                       generation: Generation) -> AsyncIterator[generate_pb2.GenerateResponse]:

@@ -11,8 +11,9 @@ import pytest_asyncio
 from transformers import AutoTokenizer
 
 from gateway.draft_tree import build_tree, main_chain_len
-from gateway.drafters import ModelDrafter
-from protos.specmesh.v1 import draft_pb2, draft_pb2_grpc
+from gateway.drafters import NO_DRAFT, Draft, ModelDrafter
+from gateway.round_outcomes import RoundOutcomes, classify
+from protos.specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specmesh import client
 from specmesh.models import resolve_model_dir
 from specmesh.rejection import SparseDist
@@ -85,7 +86,20 @@ async def test_model_drafter_sends_a_tree_and_prefetches_its_main_chain(draft) -
     await drafter.close()
 
 
-PROMPTS = ["The quick brown fox", "def fibonacci(n):\n    return", "1, 2, 3, 4,"]
+PROMPTS = ["The quick brown fox", "def fibonacci(n):\n    return", "1, 2, 3, 4,", "Once upon a time, in a city"]
+
+
+async def run_prompts(addr: str, tokenizer, max_new: int) -> tuple[int, int, int]:
+    """Generates every prompt, checks it against target-only greedy; (rounds, accepted, most nodes in a round)."""
+    rounds = accepted = most = 0
+    for prompt in PROMPTS:
+        request = client.make_request(prompt, max_new_tokens=max_new, num_draft_tokens=4, ignore_eos=True)
+        responses = [r async for r in client.stream(addr, request, timeout_s=120)]
+        assert [t for r in responses for t in r.token_ids] == reference_greedy(tokenizer(prompt)["input_ids"], max_new)
+        rounds += sum(r.round.round > 0 for r in responses)
+        accepted += sum(r.round.num_accepted for r in responses)
+        most = max([most] + [r.round.num_drafted for r in responses])
+    return rounds, accepted, most
 
 
 @pytest.mark.parametrize("draft_model", ["tiny-draft", "tiny-draft-unrelated"])
@@ -95,12 +109,47 @@ async def test_tree_drafts_give_exactly_the_target_greedy_output(draft_model: st
     gateway = await start_gateway(verifier.addr, draft_service.addr, draft_tree_width=2)
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir("tiny-target")))
     try:
-        for prompt in PROMPTS:
-            request = client.make_request(prompt, max_new_tokens=20, num_draft_tokens=4, ignore_eos=True)
-            responses = [r async for r in client.stream(gateway.addr, request, timeout_s=120)]
-            ids = [t for r in responses for t in r.token_ids]
-            assert ids == reference_greedy(tokenizer(prompt)["input_ids"], 20)
-            assert any(r.round.num_drafted > 4 for r in responses)            # trees were verified
+        rounds, _, most = await run_prompts(gateway.addr, tokenizer, 20)
+        outcomes = gateway.server.stats["round_outcomes"]()
+        assert 0 < outcomes["rounds"] <= rounds                            # rounds with a model draft
+        assert outcomes["rounds"] == sum(outcomes[k] for k in ("all_accepted", "rejected_alt_hit",
+                                                               "rejected_alt_miss", "rejected_no_alt"))
+        assert most > 4                                                     # trees (k = 4 + alternatives) verified
     finally:
         for running in (gateway, draft_service, verifier):
             await running.stop()
+
+
+async def test_trees_accept_what_chains_miss_with_an_unrelated_draft() -> None:
+    """tiny-draft-unrelated's chains are never accepted on these prompts; with 8 alternatives per uncertain
+    position the target's choice is sometimes among them (measured: 4 of ~150 rounds), and output stays exact."""
+    verifier = await start_verifier()
+    draft_service = await start_draft("tiny-draft-unrelated")
+    chains = await start_gateway(verifier.addr, draft_service.addr)
+    trees = await start_gateway(verifier.addr, draft_service.addr, draft_tree_width=8)
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir("tiny-target")))
+    try:
+        _, chain_accepted, _ = await run_prompts(chains.addr, tokenizer, 40)
+        _, tree_accepted, _ = await run_prompts(trees.addr, tokenizer, 40)
+        assert tree_accepted > chain_accepted
+        assert trees.server.stats["round_outcomes"]()["rejected_alt_hit"] > 0
+        assert chains.server.stats["round_outcomes"]()["rejected_alt_hit"] == 0
+    finally:
+        for running in (trees, chains, draft_service, verifier):
+            await running.stop()
+
+
+def test_round_outcomes_classify_each_ending() -> None:
+    tree = Draft([5, 6, 7, 8], None, common_pb2.DRAFT_SOURCE_MODEL, [-1, 0, 1, 0])    # node 3: sibling of node 1
+    assert classify(tree, 3, [0, 1, 2]) == "all_accepted"
+    assert classify(tree, 2, [0, 3]) == "rejected_alt_hit"
+    assert classify(tree, 1, [0]) == "rejected_alt_miss"                  # position 1 had an alternative
+    assert classify(tree, 0, []) == "rejected_no_alt"
+    chain = Draft([5, 6], None, common_pb2.DRAFT_SOURCE_MODEL)
+    assert classify(chain, 2, []) == "all_accepted" and classify(chain, 1, []) == "rejected_no_alt"
+    outcomes = RoundOutcomes()
+    outcomes.observe(tree, 2, [0, 3])
+    outcomes.observe_bonus(True)
+    outcomes.observe(NO_DRAFT, 0, [])
+    assert outcomes.snapshot() == {"rounds": 1, "all_accepted": 0, "bonus_guessed": 1, "bonus_missed": 0,
+                                   "rejected_alt_hit": 1, "rejected_alt_miss": 0, "rejected_no_alt": 0}
