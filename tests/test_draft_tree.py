@@ -8,6 +8,7 @@ import itertools
 import grpc
 import pytest
 import pytest_asyncio
+import torch
 from transformers import AutoTokenizer
 
 from gateway.draft_tree import build_tree, main_chain_len
@@ -19,6 +20,8 @@ from specmesh.models import resolve_model_dir
 from specmesh.rejection import SparseDist
 from specmesh.sampling import SamplingParams
 from specmesh.tree import check_parents
+from specmesh.tree_rejection import tree_rejection_sample
+from tests.chi_square import MIN_PVALUE, fit
 from tests.stack import reference_greedy, start_draft, start_gateway, start_verifier
 
 CONTEXT = [(13 * i + 7) % 200 + 10 for i in range(40)]
@@ -115,6 +118,11 @@ async def test_tree_drafts_give_exactly_the_target_greedy_output(draft_model: st
         assert outcomes["rounds"] == sum(outcomes[k] for k in ("all_accepted", "rejected_alt_hit",
                                                                "rejected_alt_miss", "rejected_no_alt"))
         assert most > 4                                                     # trees (k = 4 + alternatives) verified
+        sampled = client.make_request(PROMPTS[0], max_new_tokens=20, num_draft_tokens=4, ignore_eos=True,
+                                      temperature=0.8, seed=3)
+        responses = [r async for r in client.stream(gateway.addr, sampled, timeout_s=120)]
+        assert sum(len(r.token_ids) for r in responses) == 20                # sampled trees (q + one-hot) verify
+        assert max(r.round.num_drafted for r in responses) > 4
     finally:
         for running in (gateway, draft_service, verifier):
             await running.stop()
@@ -153,3 +161,23 @@ def test_round_outcomes_classify_each_ending() -> None:
     outcomes.observe(NO_DRAFT, 0, [])
     assert outcomes.snapshot() == {"rounds": 1, "all_accepted": 0, "bonus_guessed": 1, "bonus_missed": 0,
                                    "rejected_alt_hit": 1, "rejected_alt_miss": 0, "rejected_no_alt": 0}
+
+
+def test_sampled_tree_with_one_hot_alternatives_after_the_sampled_child_is_exact() -> None:
+    """The gateway's sampled trees: d ~ q, then the draft's next likeliest tokens (which depend on d) as one-hot
+    siblings after it. Under recursive rejection sampling the first emitted token is distributed exactly as p."""
+    p = torch.tensor([0.05, 0.30, 0.25, 0.10, 0.20, 0.10], dtype=torch.float64)
+    q = torch.tensor([0.40, 0.05, 0.05, 0.30, 0.15, 0.05], dtype=torch.float64)
+    q_sparse = SparseDist(tuple(range(6)), tuple(q.tolist()))
+    generator = torch.Generator().manual_seed(14)
+    counts = torch.zeros(6, dtype=torch.float64)
+    for _ in range(6000):
+        drafted = int(torch.multinomial(q, 1, generator=generator))
+        alternatives = [int(t) for t in torch.argsort(q, descending=True) if int(t) != drafted][:2]
+        ids, parents, dists = build_tree([drafted], [q_sparse], {0: alternatives})
+        assert parents == [-1, -1, -1] and dists is not None
+        rows = torch.stack([p] + [torch.full((6,), 1 / 6, dtype=torch.float64)] * len(ids))
+        path, final = tree_rejection_sample(rows, ids, parents, dists, generator)
+        counts[ids[path[0]] if path else final] += 1
+    pvalue, tv = fit(counts, p)
+    assert pvalue > MIN_PVALUE and tv < 0.03
