@@ -27,7 +27,6 @@ kernel's time and whether it is batch-invariant (row 0 identical alone and in th
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -92,24 +91,28 @@ def bare_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
 AttentionInterface.register(BARE_ATTENTION, bare_attention)
 
 
-def time_bare(model: Any, shape: Shape, iters: int) -> float:
+def bare_runner(model: Any, shape: Shape) -> Callable[[], float]:
+    """A callable that runs the bare forward once and returns its seconds."""
     num_layers, kv_heads, head_dim = kv_cache_geometry(model)
     kv = BareKV(num_layers, shape.streams, kv_heads, head_dim, CONTEXT_LEN + shape.new_tokens)
-    kv.start = CONTEXT_LEN - 1 if shape.new_tokens < CONTEXT_LEN else 0
+    kv.start = CONTEXT_LEN - 1 if shape.new_tokens < CONTEXT_LEN // 2 else 0
     q, end = shape.new_tokens, kv.start + shape.new_tokens
     kv.mask = torch.arange(end)[None] <= torch.arange(kv.start, end)[:, None]
     ids = torch.randint(3, model.config.vocab_size, (shape.streams, q))
     positions = torch.arange(kv.start, end).expand(shape.streams, q)
-    model.set_attn_implementation(BARE_ATTENTION)
-    try:
-        def run() -> None:
+
+    def run() -> float:
+        model.set_attn_implementation(BARE_ATTENTION)
+        try:
+            start = time.perf_counter()
             with torch.inference_mode():
                 hidden = model.model(input_ids=ids, position_ids=positions, use_cache=False,
                                      bare_kv=kv).last_hidden_state
                 model.lm_head(hidden.reshape(-1, hidden.shape[-1])).float()
-        return timed(run, iters)
-    finally:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+            return time.perf_counter() - start
+        finally:
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return run
 
 
 # ------------------------------------------------------------------------------------------------- engine step
@@ -140,12 +143,13 @@ class BenchEngine(BatchedEngine):
         raise exc
 
 
-def time_step(parts: Any, shape: Shape, iters: int, num_threads: int) -> float:
+def step_runner(parts: Any, shape: Shape, num_threads: int) -> tuple[Callable[[], float], Callable[[], None]]:
+    """(a callable that runs one engine step and returns its seconds, cleanup)."""
     engine = BenchEngine(parts, num_threads)
     vocab = parts.loaded.model.config.vocab_size
     requests = []
+    prefill = shape.new_tokens >= CONTEXT_LEN // 2
     for s in range(shape.streams):
-        prefill = shape.new_tokens >= CONTEXT_LEN
         context = torch.randint(3, vocab, (shape.new_tokens if prefill else CONTEXT_LEN,)).tolist()
         seq = SeqState(s, context, num_verified=len(context))
         drafts = [] if prefill else torch.randint(3, vocab, (shape.new_tokens - 1,)).tolist()
@@ -153,30 +157,45 @@ def time_step(parts: Any, shape: Shape, iters: int, num_threads: int) -> float:
         engine.sessions[str(s)] = seq
     engine.filling = True
     for r in requests:        # fill the context's KV once (all but the pending token)
-        if r.extra_ids:
+        if not prefill:
             engine.scheduler.enqueue(ForwardRequest(r.seq, [], 1))
             engine.step()
     engine.filling = False
 
-    def run() -> None:        # a prefill's sequence keeps num_computed = 0: every run recomputes the whole prompt
+    def run() -> float:       # a prefill's sequence keeps num_computed = 0: every run recomputes the whole prompt
         for r in requests:
             engine.scheduler.enqueue(r)
+        start = time.perf_counter()
         engine.step()
-    result = timed(run, iters)
-    for r in requests:
-        engine.scheduler.release(r.seq)
-    return result
+        return time.perf_counter() - start
+
+    def cleanup() -> None:
+        for r in requests:
+            engine.scheduler.release(r.seq)
+    return run, cleanup
 
 
-def timed(fn: Callable[[], None], iters: int) -> float:
-    """Median seconds of `iters` calls after one warm-up call."""
+def paired(runs: Sequence[Callable[[], float]], iters: int) -> list[float]:
+    """Each run's fastest of `iters` calls, the runs interleaved, after one warm-up call each (on a loaded shared
+    machine the minimum is the least noisy estimate of a call's own cost; interleaving spreads load drift)."""
+    samples: list[list[float]] = [[] for _ in runs]
+    for i in range(iters + 1):
+        for run, out in zip(runs, samples, strict=True):
+            seconds = run()
+            if i:
+                out.append(seconds)
+    return [min(s) for s in samples]
+
+
+def timed(fn: Callable[[], object], iters: int) -> float:
+    """Fastest of `iters` calls after one warm-up call."""
     fn()
     samples = []
     for _ in range(iters):
         start = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def overhead(args: argparse.Namespace) -> dict[str, Any]:
@@ -187,8 +206,9 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for shape in SHAPES:
         iters = max(2, args.iters // 4) if shape.new_tokens >= CONTEXT_LEN // 2 else args.iters
-        bare = time_bare(parts.loaded.model, shape, iters)
-        step = time_step(parts, shape, iters, args.threads)
+        step_run, cleanup = step_runner(parts, shape, args.threads)
+        bare, step = paired([bare_runner(parts.loaded.model, shape), step_run], iters)
+        cleanup()
         row = {"shape": shape.name, "streams": shape.streams, "new_tokens": shape.new_tokens,
                "bare_ms": bare * 1e3, "step_ms": step * 1e3, "overhead_pct": 100 * (step - bare) / bare}
         log(f"{shape.name:>16}: bare {row['bare_ms']:8.2f} ms  step {row['step_ms']:8.2f} ms  "
