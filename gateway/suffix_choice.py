@@ -9,11 +9,12 @@ where the 1 is the token every verify emits, n is the draft's size, verify(n) = 
 decayed average time per round (a local suffix lookup ~0, the shared store one Redis round trip, the draft model
 its compute plus the link's round trip; a prefetched model block costs what waiting for it cost).
 
-Expected accepted tokens: a suffix proposal's score (the sum of its nodes' count-ratio probabilities) times that
-proposer's measured calibration (decayed accepted / decayed predicted, starting from 1); the draft model's from
-its measured acceptance per position (`gateway.adaptive.DraftLengthController`, fed only the model's rounds,
-and `expected_tokens`). Target-only (nothing drafted) competes too. A proposer not chosen for `PROBE_EVERY`
-rounds is chosen once, so an estimate that went wrong can recover.
+Expected accepted tokens: for a suffix proposal, the sum over its nodes of the node's count-ratio probability
+times that proposer's measured calibration at the node's depth (decayed accepted / decayed predicted per depth,
+shrunk toward the proposer's pooled calibration, which starts from 1); for the draft model, from its measured
+acceptance per position (`gateway.adaptive.DraftLengthController`, fed only the model's rounds, and
+`expected_tokens`). Target-only (nothing drafted) competes too. A proposer not chosen for `PROBE_EVERY` rounds is
+chosen once, so an estimate that went wrong can recover.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.adaptive import DraftLengthController, expected_tokens
+from gateway.suffix_tree import Proposal
 
 LOCAL, GLOBAL, MODEL, NONE = "local", "global", "model", "none"
 DECAY = 0.85                 # weight an old observation keeps per new one
@@ -28,6 +30,8 @@ VERIFY_SLOPE = 0.1           # extra verify time per drafted token, relative to 
 PRIOR_VERIFY_S = 0.15        # before any verify was measured (a CPU verify of the real pair: ~150-215 ms)
 PROBE_EVERY = 16             # rounds a drafting proposer may go unchosen before it gets one round
 MAX_MODEL_K = 64
+MAX_DEPTH = 32               # suffix calibration per depth up to here (deeper nodes share the last)
+DEPTH_SHRINK = 2.0           # pseudo-observations pulling a depth's calibration toward the pooled one
 
 
 @dataclass
@@ -49,7 +53,7 @@ class ProposerChoice:
     def __init__(self) -> None:
         self._verify_base = _Decayed(PRIOR_VERIFY_S, 1.0)
         self._cost: dict[str, _Decayed] = {}
-        self._calibration = {LOCAL: _Decayed(1.0, 1.0), GLOBAL: _Decayed(1.0, 1.0)}
+        self._calibration = {p: _Calibration() for p in (LOCAL, GLOBAL)}
         self.model = DraftLengthController(max_k=MAX_MODEL_K, initial_k=0)
         self._unchosen: dict[str, int] = {}
 
@@ -61,22 +65,23 @@ class ProposerChoice:
         """Unmeasured = free: a proposer is tried before its cost is known (optimism under uncertainty)."""
         return self._cost[proposer].mean if proposer in self._cost else 0.0
 
-    def expected_accepted(self, proposer: str, score_or_k: float) -> float:
-        """A suffix proposer's calibrated score, or the model's expected accepted tokens for k drafts."""
-        if proposer == MODEL:
-            return expected_tokens(self.model.position_acceptance(), int(score_or_k)) - 1.0
-        if proposer == NONE:
-            return 0.0
-        return self._calibration[proposer].mean * score_or_k
+    def expected_model(self, k: int) -> float:
+        """The draft model's expected accepted tokens for a k-token chain."""
+        return expected_tokens(self.model.position_acceptance(), k) - 1.0
 
-    def rate(self, proposer: str, score_or_k: float, num_tokens: int) -> float:
-        """Expected tokens per second of a round drafted by `proposer`."""
+    def expected_suffix(self, proposer: str, proposal: Proposal) -> float:
+        """A suffix proposal's expected accepted tokens: its nodes' probabilities, calibrated per depth."""
+        calibration = self._calibration[proposer]
+        return sum(calibration.at(d) * p for d, p in zip(depths(proposal.parents), proposal.probs, strict=True))
+
+    def rate(self, proposer: str, expected: float, num_tokens: int) -> float:
+        """Expected tokens per second of a round drafted by `proposer` (`expected` accepted of `num_tokens`)."""
         seconds = self.verify_s(num_tokens) + self.cost_s(proposer, num_tokens)
-        return (1.0 + self.expected_accepted(proposer, score_or_k)) / max(seconds, 1e-6)
+        return (1.0 + expected) / max(seconds, 1e-6)
 
     # ------------------------------------------------------------------ decision
     def choose(self, options: dict[str, tuple[float, int]]) -> str:
-        """options: proposer -> (score, or k for the model; draft size). Returns the proposer to use; NONE is
+        """options: proposer -> (expected accepted tokens, draft size). Returns the proposer to use; NONE is
         always an option (target-only)."""
         options = {**options, NONE: (0.0, 0)}
         drafting = [p for p in options if p != NONE]
@@ -94,11 +99,43 @@ class ProposerChoice:
     def observe_verify(self, num_tokens: int, seconds: float) -> None:
         self._verify_base.add(max(0.0, seconds) / (1 + VERIFY_SLOPE * num_tokens))
 
-    def observe_suffix(self, proposer: str, predicted: float, accepted: int) -> None:
-        if predicted > 0:
-            self._calibration[proposer].add(accepted, predicted)
+    def observe_suffix(self, proposer: str, proposal: Proposal, accepted_nodes: list[int]) -> None:
+        """A verified suffix proposal and the indices of its nodes on the accepted path."""
+        if proposal.token_ids:
+            self._calibration[proposer].add(proposal, accepted_nodes)
 
     def observe_model(self, num_drafted: int, num_accepted: int, draft_s: float, verify_s: float) -> None:
         if num_drafted > 0:
             self.model.observe(min(num_drafted, MAX_MODEL_K), min(num_accepted, num_drafted, MAX_MODEL_K),
                                draft_s, verify_s)
+
+
+def depths(parents: list[int]) -> list[int]:
+    """1-based depth of each node of a token tree (a child of the pending token has depth 1)."""
+    out: list[int] = []
+    for p in parents:
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
+
+
+class _Calibration:
+    """Accepted / predicted for one suffix proposer, pooled and per depth (decayed per observed round)."""
+
+    def __init__(self) -> None:
+        self.pooled = _Decayed(1.0, 1.0)
+        self.accepted = [0.0] * MAX_DEPTH
+        self.predicted = [0.0] * MAX_DEPTH
+
+    def at(self, depth: int) -> float:
+        d = min(depth, MAX_DEPTH) - 1
+        return (self.accepted[d] + DEPTH_SHRINK * self.pooled.mean) / (self.predicted[d] + DEPTH_SHRINK)
+
+    def add(self, proposal: Proposal, accepted_nodes: list[int]) -> None:
+        self.accepted = [DECAY * a for a in self.accepted]
+        self.predicted = [DECAY * p for p in self.predicted]
+        node_depths = depths(proposal.parents)
+        for d, p in zip(node_depths, proposal.probs, strict=True):
+            self.predicted[min(d, MAX_DEPTH) - 1] += p
+        for i in accepted_nodes:
+            self.accepted[min(node_depths[i], MAX_DEPTH) - 1] += 1
+        self.pooled.add(len(accepted_nodes), proposal.score)

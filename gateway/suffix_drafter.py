@@ -63,11 +63,12 @@ class SuffixDrafter(TieredDrafter):
         room = max(self.max_new_tokens - (len(context_ids) - len(self.prompt_ids)) - 1, 0)
         cap = min(room, self.settings.local_max_tokens)
         proposals = {LOCAL: self._local(context_ids, cap), GLOBAL: await self._shared(context_ids, cap)}
-        options = {p: (prop.score, len(prop.token_ids)) for p, prop in proposals.items() if prop.token_ids}
+        options = {p: (self.choice.expected_suffix(p, prop), len(prop.token_ids))
+                   for p, prop in proposals.items() if prop.token_ids}
         if self.model is not None and num_tokens > 0 and getattr(self.model, "skip_rounds", 0) == 0:
-            options[MODEL] = (num_tokens, num_tokens)
+            options[MODEL] = (self.choice.expected_model(num_tokens), num_tokens)
         best = self.choice.choose(options) if options else None
-        suffix_from = max((LOCAL, GLOBAL), key=lambda p: proposals[p].score)     # LOCAL on a tie
+        suffix_from = max((LOCAL, GLOBAL), key=lambda p: options.get(p, (0.0, 0))[0])     # LOCAL on a tie
         model_len, draft = 0, NO_DRAFT
         if best == MODEL:
             started = time.perf_counter()
@@ -144,8 +145,7 @@ class SuffixDrafter(TieredDrafter):
             self.choice.observe_model(len(chain), common_prefix_len(chain, accepted_ids),
                                       self.choice.cost_s(MODEL, len(chain)), verify_s)
         if done.proposer != MODEL or len(done.draft.token_ids) > done.model_len:
-            self.choice.observe_suffix(done.suffix_from, done.suffix.score,
-                                       len(accepted_nodes(done.suffix, accepted_ids)))
+            self.choice.observe_suffix(done.suffix_from, done.suffix, accepted_nodes(done.suffix, accepted_ids))
 
 
 def with_branches(draft: Draft, suffix: Proposal) -> Draft:

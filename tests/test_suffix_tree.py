@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.drafters import Draft
-from gateway.suffix_choice import GLOBAL, LOCAL, MODEL, NONE, PROBE_EVERY, ProposerChoice
+from gateway.suffix_choice import GLOBAL, LOCAL, MODEL, NONE, PROBE_EVERY, ProposerChoice, depths
 from gateway.suffix_drafter import with_branches
 from gateway.suffix_index import ContextIndex
 from gateway.suffix_tree import CountNode, accepted_nodes, merge_tries, speculate, trie_from_continuations
@@ -135,23 +135,33 @@ def test_choice_prefers_free_suffix_drafts_when_the_model_is_slow() -> None:
         choice.observe_cost(MODEL, 0.24)                   # 4 tokens of a slow draft model
         choice.observe_model(4, 2, 0.24, 0.15)
         choice.observe_cost(LOCAL, 0.0001)
-    assert choice.choose({LOCAL: (1.0, 3), MODEL: (4, 4)}) == LOCAL
-    assert choice.choose({MODEL: (4, 4)}) == NONE          # target-only beats a slow, half-right model
+    model = (choice.expected_model(4), 4)
+    assert 0.5 < model[0] < 2.0
+    assert choice.choose({LOCAL: (1.0, 3), MODEL: model}) == LOCAL
+    assert choice.choose({MODEL: model}) == NONE           # target-only beats a slow, half-right model
     fast = ProposerChoice()
     for _ in range(5):
         fast.observe_verify(4, 0.15)
         fast.observe_cost(MODEL, 0.01)
         fast.observe_model(4, 4, 0.01, 0.15)               # a fast draft model that is always right
-    assert fast.choose({LOCAL: (1.0, 3), MODEL: (4, 4)}) == MODEL
+    assert fast.expected_model(4) > 3.0
+    assert fast.choose({LOCAL: (1.0, 3), MODEL: (fast.expected_model(4), 4)}) == MODEL
 
 
-def test_choice_learns_each_suffix_proposers_calibration() -> None:
+def test_choice_calibrates_each_suffix_proposer_per_depth() -> None:
+    chain = speculate(trie_from_continuations([([1, 2, 3, 4], 1)]), 4, min_prob=0.0)   # 4 nodes, p = 1 each
     choice = ProposerChoice()
+    assert choice.expected_suffix(LOCAL, chain) == pytest.approx(4.0)                   # uncalibrated: the score
     for _ in range(10):
-        choice.observe_suffix(GLOBAL, 4.0, 0)              # the shared store's drafts keep failing
-        choice.observe_suffix(LOCAL, 2.0, 2)
-    assert choice.expected_accepted(GLOBAL, 4.0) < 0.5 < choice.expected_accepted(LOCAL, 2.0)
-    assert choice.choose({GLOBAL: (4.0, 8), LOCAL: (2.0, 2)}) == LOCAL
+        choice.observe_suffix(GLOBAL, chain, [])           # the shared store's drafts keep failing at once
+        choice.observe_suffix(LOCAL, chain, [0, 1])        # the local ones hold for two tokens
+    assert choice.expected_suffix(GLOBAL, chain) < 0.5
+    assert choice.expected_suffix(LOCAL, chain) == pytest.approx(2.0, abs=0.6)
+    local = ProposerChoice()._calibration[LOCAL]
+    for _ in range(10):
+        local.add(chain, [0, 1])
+    assert local.at(1) > 0.8 and local.at(2) > 0.8 and local.at(3) < 0.3 and local.at(4) < 0.3
+    assert depths([-1, 0, 1, 0, -1, 4]) == [1, 2, 3, 2, 1, 2]
 
 
 def test_choice_probes_an_unchosen_proposer() -> None:
@@ -159,5 +169,6 @@ def test_choice_probes_an_unchosen_proposer() -> None:
     for _ in range(5):
         choice.observe_model(4, 0, 0.3, 0.15)
         choice.observe_cost(MODEL, 0.3)
-    picks = Counter(choice.choose({LOCAL: (3.0, 4), MODEL: (4, 4)}) for _ in range(3 * (PROBE_EVERY + 1)))
+    options = {LOCAL: (3.0, 4), MODEL: (choice.expected_model(4), 4)}
+    picks = Counter(choice.choose(options) for _ in range(3 * (PROBE_EVERY + 1)))
     assert picks[MODEL] == 3 and picks[LOCAL] == 3 * PROBE_EVERY
