@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import uuid
 
@@ -109,24 +110,45 @@ async def test_tree_with_the_greedy_branch_accepts_exactly_it(verifier, tokenize
     await wait_blocks_free(running)
 
 
+async def tree_rounds(stub: verifier_pb2_grpc.VerifierStub, prompt_ids: list[int], expected: list[int], n: int,
+                      rng: random.Random, chains: bool = False) -> tuple[list[int], int, bool]:
+    """Random trees (or chains, empty parents) built around `expected` until n tokens: (output, drafts accepted,
+    whether some forward also ran other sessions' tokens)."""
+    session = Session(stub, prompt_ids)
+    await session.start()
+    accepted_total, shared = 0, False
+    while len(session.output) < n:
+        token_ids, parents = random_tree(rng, expected[len(session.output):])
+        if chains:
+            token_ids, parents = token_ids[:3], None
+        reply = await session.verify(token_ids, parents)
+        accepted_total += reply.num_accepted
+        shared |= reply.num_batch_tokens > len(token_ids) + 1
+        assert [token_ids[i] for i in reply.accepted_node_indices] == list(reply.token_ids[:-1])
+    await session.end()
+    return session.output[:n], accepted_total, shared
+
+
 @pytest.mark.parametrize("seed", range(3))
 async def test_random_tree_rounds_reproduce_target_only_greedy(verifier, tokenizer, seed: int) -> None:
     running, stub, dtype = verifier
-    rng = random.Random(seed)
     prompt_ids = tokenizer(PROMPTS[seed + 1])["input_ids"]
-    n = 40
-    expected = await expected_output(stub, dtype, prompt_ids, n + 16)
-    session = Session(stub, prompt_ids)
-    await session.start()
-    accepted_total = 0
-    while len(session.output) < n:
-        token_ids, parents = random_tree(rng, expected[len(session.output):])
-        reply = await session.verify(token_ids, parents)
-        accepted_total += reply.num_accepted
-        assert [token_ids[i] for i in reply.accepted_node_indices] == list(reply.token_ids[:-1])
-    assert session.output[:n] == expected[:n]
+    expected = await expected_output(stub, dtype, prompt_ids, 40 + 16)
+    output, accepted_total, _ = await tree_rounds(stub, prompt_ids, expected, 40, random.Random(seed))
+    assert output == expected[:40]
     assert accepted_total > 0
-    await session.end()
+    await wait_blocks_free(running)
+
+
+async def test_concurrent_trees_and_chains_share_forwards_exactly(verifier, tokenizer) -> None:
+    """Sessions verifying trees and chains at the same time (one batched forward) each stay exact."""
+    running, stub, dtype = verifier
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:4]]
+    expected = [await expected_output(stub, dtype, ids, 40) for ids in prompts]
+    results = await asyncio.gather(*[tree_rounds(stub, ids, exp, 24, random.Random(i), chains=i % 2 == 1)
+                                     for i, (ids, exp) in enumerate(zip(prompts, expected, strict=True))])
+    assert [out for out, _, _ in results] == [exp[:24] for exp in expected]
+    assert any(shared for _, _, shared in results)
     await wait_blocks_free(running)
 
 
