@@ -56,10 +56,10 @@ def test_tree_forward_matches_decoding_each_path_alone(model: tuple[torch.nn.Mod
     runner.forward([ForwardItem(context[:-1], 0, TABLE, 0)])
     tree = runner.forward([ForwardItem([context[-1], *nodes], context_len - 1, TABLE, len(nodes) + 1,
                                        tree_parents=PARENTS)])[0]
-    for node in [-1, *range(len(nodes))]:
+    alone = _runner(model)
+    alone.forward([ForwardItem(context[:-1], 0, TABLE, 0)])
+    for node in [-1, *range(len(nodes))]:        # each path overwrites the previous one's KV as it decodes
         path = [nodes[i] for i in path_to(PARENTS, node)]
-        alone = _runner(model)
-        alone.forward([ForwardItem(context[:-1], 0, TABLE, 0)])
         steps = [alone.forward([ForwardItem([t], context_len - 1 + j, TABLE, 1)])[0][0]
                  for j, t in enumerate([context[-1], *path])]
         _assert_same(tree[node + 1], steps[-1], model[1])
