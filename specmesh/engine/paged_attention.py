@@ -60,8 +60,9 @@ class PagedKVCache:
         """block_tables [B, nb] -> keys, values [B, nb * block_size, kvH, D] (one copy per forward and layer)."""
         k_cache, v_cache = self.key_caches[layer], self.value_caches[layer]
         b, nb = block_tables.shape
-        return (k_cache[block_tables].view(b, nb * self.block_size, *k_cache.shape[2:]),
-                v_cache[block_tables].view(b, nb * self.block_size, *v_cache.shape[2:]))
+        flat = block_tables.view(-1)            # index_select copies whole blocks (advanced indexing is ~10x slower)
+        return (k_cache.index_select(0, flat).view(b, nb * self.block_size, *k_cache.shape[2:]),
+                v_cache.index_select(0, flat).view(b, nb * self.block_size, *v_cache.shape[2:]))
 
 
 @dataclass(frozen=True)
