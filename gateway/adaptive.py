@@ -40,6 +40,13 @@ Hysteresis. k changes only when the best candidate beats the current k's predict
 Probing. At k = 0 nothing about acceptance is learned, so every `probe_every` rounds one round drafts `probe_k`
 tokens; if the draft has become good, the estimate rises and k leaves 0.
 
+Trees. With tree drafting every alternative is a leaf beside a chain token: when the target rejects that chain
+token and picks the alternative, the round gains exactly one token; each alternative node costs one more verified
+position, v1 seconds (the verify line's slope, the same per node as per chain token). With h = decayed alternative
+hits per alternative node (prior `tree_prior_hit_rate`, `tree_prior_nodes` pseudo-nodes), alternatives pay when
+their marginal rate beats the round's:  h / v1 > E(k) / T(k)  (expected accepted tokens per second). Then the full
+width is used, else none; at width 0 every `probe_every`-th round still sends alternatives, so h keeps being measured.
+
 Load. When the verifier's batch is large, drafted tokens compete with other sessions' compute, so speculation
 is cut: cap = max_k above no load, falling linearly to 0 between `load_batch_low` and `load_batch_off` batch
 tokens, and 0 when `queue_len >= load_queue_off`. The cap applies at once (no hysteresis): load is about
@@ -66,6 +73,8 @@ class AdaptiveParams:
     load_batch_off: int = 512        # ... and where it is off
     load_queue_off: int = 8          # waiting requests at which speculation is off
     load_decay: float = 0.5          # smoothing of the reported load
+    tree_prior_hit_rate: float = 0.2 # h before evidence: hits per alternative node (optimistic: try trees first)
+    tree_prior_nodes: float = 10.0   # pseudo-nodes behind that prior
 
 
 def expected_tokens(position_acceptance: list[float], k: int) -> float:
@@ -120,6 +129,8 @@ class DraftLengthController:
         self._streak = 0
         self._rounds_at_zero = 0
         self.rounds = 0
+        self._alt_nodes = self._alt_hits = 0.0
+        self._tree_rounds_off = 0
 
     # ------------------------------------------------------------------ estimates
     def acceptance(self) -> float:
@@ -208,6 +219,33 @@ class DraftLengthController:
             self._rtt = rtt_s if self._rtt is None else d * self._rtt + (1 - d) * rtt_s
         self.rounds += 1
         self._update_k()
+
+    def alternative_hit_rate(self) -> float:
+        p = self.params
+        return (self._alt_hits + p.tree_prior_hit_rate * p.tree_prior_nodes) / (self._alt_nodes + p.tree_prior_nodes)
+
+    def alternatives_pay(self) -> bool:
+        """h / v1 > E(k) / T(k): an alternative node yields tokens faster than the round does on average."""
+        rate = self.tokens_per_second(self.k)
+        base, longer = self.verify_cost(self.k), self.verify_cost(self.k + 1)
+        if rate is None or base is None or longer is None:
+            return True                              # nothing measured yet: try (and measure)
+        per_node = longer - base
+        return per_node <= 0 or self.alternative_hit_rate() / per_node > rate
+
+    def tree_width(self, max_width: int) -> int:
+        """Alternatives per uncertain position for the coming round (call once per round)."""
+        if max_width <= 0 or self.alternatives_pay():
+            self._tree_rounds_off = 0
+            return max(max_width, 0)
+        self._tree_rounds_off += 1
+        return max_width if self._tree_rounds_off % self.params.probe_every == 0 else 0
+
+    def observe_tree(self, num_alternative_nodes: int, alternative_hit: bool) -> None:
+        """A verified tree: how many alternative nodes it had and whether the accepted path took one."""
+        d = self.params.decay
+        self._alt_nodes = d * self._alt_nodes + num_alternative_nodes
+        self._alt_hits = d * self._alt_hits + (1.0 if alternative_hit else 0.0)
 
     def observe_load(self, queue_len: int, batch_tokens: int) -> None:
         """The verifier's waiting requests and tokens in its current batch (smoothed)."""

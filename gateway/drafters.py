@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -85,6 +86,9 @@ class ModelDrafter:
     owner_token: str = field(default_factory=lambda: secrets.token_urlsafe(16), repr=False)
     link: DraftLink = field(default_factory=DraftLink)
     tree_width: int = 0                      # > 0: token trees (alternatives at low-confidence positions)
+    # Prices the width each round (DraftLengthController.tree_width): max width -> width for this round.
+    tree_pricing: Callable[[int], int] | None = field(default=None, repr=False)
+    _round_width: int = 0
     outcomes: RoundOutcomes | None = None    # gateway-wide: whether a prefetch guessed the bonus token
     num_prefetch_hits: int = 0               # rounds drafted from a prefetch (no draft-link round trip waited for)
     bytes_sent: int = 0                      # serialized Propose requests / responses (the draft link's traffic)
@@ -132,10 +136,14 @@ class ModelDrafter:
             return prefetched
         if num_tokens <= 0 or not self.link.round_allowed():
             return NO_DRAFT
+        self._round_width = self.tree_pricing(self.tree_width) if self.tree_pricing else self.tree_width
         for _ in range(2):                        # at most one whole-context resend
             call = self.link.send(context_ids)
             try:
                 response = await self._call(call, num_tokens)
+            except asyncio.CancelledError:
+                self.link.unbind()                # the call may or may not have reached the service
+                raise
             except grpc.aio.AioRpcError as exc:
                 verdict = self.link.on_error(call, exc.code().name)
                 if verdict is OnError.RESEND_WHOLE:
@@ -187,7 +195,7 @@ class ModelDrafter:
             session_id=self.session_id, owner_token=self.owner_token, context_len=call.context_len,
             new_token_ids=call.new_token_ids, num_draft_tokens=num_tokens, sampling=sampling_to_proto(self.sampling),
             max_q_entries=self.max_q_entries, num_ahead_tokens=num_ahead_tokens,
-            num_assumed_tokens=call.num_assumed_tokens, tree_width=self.tree_width)
+            num_assumed_tokens=call.num_assumed_tokens, tree_width=self._round_width)
         self.bytes_sent += request.ByteSize()
         response = await self.stub.Propose(request, timeout=self.timeout_s)
         self.bytes_received += response.ByteSize()

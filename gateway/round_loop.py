@@ -6,6 +6,7 @@ Only verified tokens leave this loop. Text is produced by the caller from the yi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -16,8 +17,10 @@ import grpc
 from opentelemetry.context import Context
 
 from gateway.adaptive import DraftLengthController
+from gateway.draft_tree import main_chain_len
 from gateway.drafters import NO_DRAFT, Draft, Drafter
 from gateway.request_state import RequestState, RoundEvent
+from gateway.round_outcomes import classify
 from gateway.round_spans import end_session_span, prefill_span, record_round, round_span
 from gateway.validation import GenerationParams
 from protos.specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -47,9 +50,21 @@ async def _session_alive(call: Awaitable[verifier_pb2.VerifyResponse]) -> verifi
                                    f"session ended by the verifier (idle past its lease): {exc.details()}") from exc
 
 
+@dataclass
+class _NextDraft:
+    """A draft asked for as soon as the previous verdict existed (overlap), for the context of that length."""
+    context_len: int
+    wanted: int
+    task: asyncio.Future[Draft]
+
+
 def _observe_round(draft_length: DraftLengthController, event: RoundEvent, state: RequestState) -> None:
     draft_length.observe(len(event.draft.token_ids), event.num_accepted, event.draft_s, event.verify_s)
     draft_length.observe_load(event.num_waiting, event.num_batch_tokens)
+    if event.draft.parents is not None:
+        alternatives = len(event.draft.token_ids) - main_chain_len(event.draft.parents, len(event.draft.token_ids))
+        draft_length.observe_tree(alternatives, classify(event.draft, event.num_accepted,
+                                                         event.accepted_node_indices) == "rejected_alt_hit")
 
 
 class Generation:
@@ -58,7 +73,8 @@ class Generation:
     def __init__(self, params: GenerationParams, session_id: str,
                  verifiers: Sequence[verifier_pb2_grpc.VerifierStub],
                  drafter: Drafter | None, verifier_timeout_s: float, trace_context: Context | None = None,
-                 draft_length: DraftLengthController | None = None, prefetch: bool = False) -> None:
+                 draft_length: DraftLengthController | None = None, prefetch: bool = False,
+                 overlap: bool = False) -> None:
         self.params = params
         self.trace_context = trace_context          # the request span: parent of the prefill / round spans
         self.session_id = session_id
@@ -68,6 +84,10 @@ class Generation:
         self.drafter = drafter
         self.draft_length = draft_length            # adaptive draft length (None: the request's fixed k)
         self.prefetch = prefetch                    # fetch the next draft block while the verifier works
+        # Overlapped speculation: the next round's draft is asked for as soon as a verdict exists (before its tokens
+        # are streamed), so the draft service learns of a rejection at once and drafts while the client is served.
+        self.overlap = overlap
+        self._next_draft: _NextDraft | None = None
         self.timeout_s = verifier_timeout_s
         self.state = RequestState(params.prompt_ids, params.max_new_tokens)   # budget, output, round counters
         if draft_length is not None:
@@ -89,22 +109,21 @@ class Generation:
                 else asyncio.sleep(0))
             span.set_attribute("specmesh.prefill.cached_tokens", start.num_cached_prompt_tokens)
         self.state.on_first_token(start.first_token_id)
+        self._start_next_draft()
         yield RoundOutput(0, [start.first_token_id], 0, 0, common_pb2.DRAFT_SOURCE_NONE)
         while True:
             event = await self._round(self.state.num_rounds + 1)
             self.state.on_round(event)
+            self._start_next_draft()
             yield RoundOutput(event.round, event.token_ids, len(event.draft.token_ids), event.num_accepted,
                               event.draft.source)
 
     async def _round(self, round_index: int) -> RoundEvent:
         """Draft, verify; the round's event (not yet applied to the state)."""
-        # Drafting past the last token the client can receive is wasted work.
-        wanted = self.draft_length.next_k() if self.draft_length else self.params.num_draft_tokens
         context = self.state.context_ids
         with round_span(self.trace_context, round_index) as span:
             started = time.perf_counter()
-            draft = await self.drafter.propose(context, min(wanted, self.state.draft_room())) if self.drafter \
-                else NO_DRAFT
+            wanted, draft = await self._draft(context)
             drafted = time.perf_counter()
             verify = self.verifier.Verify(self._verify_request(draft), timeout=self.timeout_s)
             if self.prefetch and self.drafter is not None:
@@ -115,6 +134,30 @@ class Generation:
         return RoundEvent(round_index, draft, result.num_accepted, list(result.token_ids), drafted - started,
                           time.perf_counter() - drafted, result.num_waiting, result.num_batch_tokens,
                           list(result.accepted_node_indices))
+
+    def _wanted_k(self) -> int:
+        return self.draft_length.next_k() if self.draft_length else self.params.num_draft_tokens
+
+    async def _draft(self, context: list[int]) -> tuple[int, Draft]:
+        """(the k wanted, the round's draft): the one started early (overlap) or asked for now. Drafting past the
+        last token the client can receive is wasted work, so the draft never exceeds the room left."""
+        pending, self._next_draft = self._next_draft, None
+        if pending is not None and pending.context_len == len(context):
+            return pending.wanted, await pending.task
+        if pending is not None:
+            pending.task.cancel()
+        wanted = self._wanted_k()
+        if self.drafter is None:
+            return wanted, NO_DRAFT
+        return wanted, await self.drafter.propose(context, min(wanted, self.state.draft_room()))
+
+    def _start_next_draft(self) -> None:
+        if not self.overlap or self.drafter is None or self.state.remaining <= 0:
+            return
+        wanted = self._wanted_k()
+        task = asyncio.ensure_future(self.drafter.propose(self.state.context_ids,
+                                                          min(wanted, self.state.draft_room())))
+        self._next_draft = _NextDraft(len(self.state.context_ids), wanted, task)
 
     def _verify_request(self, draft: Draft) -> verifier_pb2.VerifyRequest:
         request = verifier_pb2.VerifyRequest(
@@ -145,6 +188,11 @@ class Generation:
     async def close(self) -> None:
         """Release the session everywhere; runs even when the client went away. A verifier session that never
         started has no token and needs no EndSession (a StartSession that failed or was cancelled ends itself)."""
+        if self._next_draft is not None:            # the client stopped reading: the early draft is not needed
+            self._next_draft.task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._next_draft.task
+            self._next_draft = None
         with end_session_span(self.trace_context):
             calls = []
             if self.owner_token:

@@ -113,20 +113,21 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         remaining = context.time_remaining()
         verifier_timeout = min(self.config.verifier_timeout_s, remaining) if remaining else \
             self.config.verifier_timeout_s
+        draft_length = None
+        if self.config.adaptive_draft_length and params.num_draft_tokens > 0:
+            draft_length = DraftLengthController(max_k=params.num_draft_tokens, initial_k=params.num_draft_tokens)
         drafter = None
         if self.draft is not None and params.num_draft_tokens > 0:
             drafter = ModelDrafter(self.draft, session_id, params.sampling,
                                    min(self.config.draft_timeout_s, verifier_timeout),
-                                   tree_width=self.config.draft_tree_width, outcomes=self.outcomes)
+                                   tree_width=self.config.draft_tree_width, outcomes=self.outcomes,
+                                   tree_pricing=draft_length.tree_width if draft_length else None)
         if self.tiers is not None and params.num_draft_tokens > 0:
             drafter = self.tiers.drafter(params, drafter, self.tiers.tenant(context.invocation_metadata()))
         first = next(self._next_replica) % len(self.verifiers)
         order = self.verifiers[first:] + self.verifiers[:first]
-        draft_length = None
-        if self.config.adaptive_draft_length and params.num_draft_tokens > 0:
-            draft_length = DraftLengthController(max_k=params.num_draft_tokens, initial_k=params.num_draft_tokens)
         generation = Generation(params, session_id, order, drafter, verifier_timeout, trace_context, draft_length,
-                                prefetch=self.config.draft_prefetch)
+                                prefetch=self.config.draft_prefetch, overlap=self.config.overlap)
         generation.state.listeners.append(self._count_outcome)
         return generation
 

@@ -128,3 +128,24 @@ def test_rejects_bad_counts() -> None:
         ctrl.observe(2, 3, 0.0, 0.1)
     with pytest.raises(ValueError):
         DraftLengthController(min_k=5, max_k=4)
+
+
+def _measured(hit: bool) -> DraftLengthController:
+    """Rounds of a chain of 4 plus 4 alternatives, 2 accepted, verify 0.3 s, draft 0.2 s; the accepted path takes
+    an alternative every round (hit) or never."""
+    c = DraftLengthController(max_k=4, initial_k=4)
+    for _ in range(40):
+        c.observe(8, 2, 0.2, 0.3)
+        c.observe_tree(4, hit)
+    return c
+
+
+def test_tree_alternatives_are_priced_by_hits_per_node_against_the_round_rate() -> None:
+    assert DraftLengthController(max_k=4).tree_width(3) == 3              # nothing measured: try trees
+    hits = _measured(hit=True)                                            # 1 token per 4 nodes: beats the round
+    assert hits.alternatives_pay() and hits.tree_width(3) == 3
+    never = _measured(hit=False)
+    assert not never.alternatives_pay()
+    widths = [never.tree_width(3) for _ in range(32)]
+    assert widths.count(3) == 2 and widths.count(0) == 30                 # off, but probed every 16 rounds
+    assert never.tree_width(0) == 0

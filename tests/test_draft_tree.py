@@ -105,11 +105,14 @@ async def run_prompts(addr: str, tokenizer, max_new: int) -> tuple[int, int, int
     return rounds, accepted, most
 
 
-@pytest.mark.parametrize("draft_model", ["tiny-draft", "tiny-draft-unrelated"])
-async def test_tree_drafts_give_exactly_the_target_greedy_output(draft_model: str) -> None:
+@pytest.mark.parametrize(("draft_model", "adaptive"), [("tiny-draft", False), ("tiny-draft-unrelated", False),
+                                                       ("tiny-draft", True)])
+async def test_tree_drafts_give_exactly_the_target_greedy_output(draft_model: str, adaptive: bool) -> None:
+    """adaptive: the draft-length controller prices the tree width each round (DraftLengthController.tree_width)."""
     verifier = await start_verifier()
     draft_service = await start_draft(draft_model)
-    gateway = await start_gateway(verifier.addr, draft_service.addr, draft_tree_width=2)
+    gateway = await start_gateway(verifier.addr, draft_service.addr, draft_tree_width=2,
+                                  adaptive_draft_length=adaptive)
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir("tiny-target")))
     try:
         rounds, _, most = await run_prompts(gateway.addr, tokenizer, 20)
