@@ -16,7 +16,8 @@ Two timings per batch shape, same model object, same torch threads:
     scheduler's queue and KV reservation, the block-table forward, and a finish that runs the batched greedy verify
     over all requests' logits, then rolls the sequence back so every step has the same shape.
 
-Shapes: 1 stream with 1 + k new tokens for k in 0, 4, 8; 8 streams with 1 + 4 tokens each; a prefill of 128 tokens.
+Shapes: 1 stream with 1 + k new tokens for k in 0, 4, 8; 8 streams with 1 and 1 + 4 tokens each; a prefill of 128
+tokens.
 Overhead % = (step - bare) / bare. Results are printed and written to bench/results/verifier-overhead-*.json.
 Timings on the shared 2-core CPU are indicative only.
 
@@ -60,7 +61,7 @@ class Shape:
 
 
 SHAPES = (Shape("decode k=0", 1, 1), Shape("verify k=4", 1, 5), Shape("verify k=8", 1, 9),
-          Shape("8 streams k=4", 8, 5), Shape("prefill 128", 1, 128))
+          Shape("8 streams k=0", 8, 1), Shape("8 streams k=4", 8, 5), Shape("prefill 128", 1, 128))
 
 
 # ------------------------------------------------------------------------------------------------- bare forward
