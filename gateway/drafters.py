@@ -36,6 +36,9 @@ class Draft:
     # A token tree: parents[i] = index of node i's parent among the drafts, -1 = a child of the pending token;
     # topological (parents[i] < i). None = a chain ([-1, 0, 1, ..., k-2]), today's drafts.
     parents: list[int] | None = None
+    # (position, token): the likeliest alternative of the tree, at its least confident position (overlap drafts the
+    # continuation after it while the tree is verified). None: no alternatives.
+    likely_branch: tuple[int, int] | None = None
 
 
 NO_DRAFT = Draft([], None, common_pb2.DRAFT_SOURCE_NONE)
@@ -90,6 +93,11 @@ class ModelDrafter:
     tree_pricing: Callable[[int], int] | None = field(default=None, repr=False)
     _round_width: int = 0
     outcomes: RoundOutcomes | None = None    # gateway-wide: whether a prefetch guessed the bonus token
+    # Overlap: while a tree is verified, also prefetch the block after its likeliest alternative, on a second draft
+    # session (the branch), so a rejection that takes that alternative finds its continuation drafted.
+    branch_prefetch: bool = False
+    num_branch_hits: int = 0
+    _branch: ModelDrafter | None = field(default=None, repr=False)
     num_prefetch_hits: int = 0               # rounds drafted from a prefetch (no draft-link round trip waited for)
     bytes_sent: int = 0                      # serialized Propose requests / responses (the draft link's traffic)
     bytes_received: int = 0
@@ -129,9 +137,26 @@ class ModelDrafter:
         task = asyncio.ensure_future(self._call(call, num_tokens + 1))
         task.add_done_callback(functools.partial(self._prefetch_done, call))
         self._prefetch = _Prefetch(len(context_ids), chain, task)
+        if self.branch_prefetch and draft.likely_branch is not None:
+            self._prefetch_branch(context_ids, chain, draft.likely_branch, num_tokens)
+
+    def _prefetch_branch(self, context_ids: list[int], chain: list[int], branch: tuple[int, int],
+                         num_tokens: int) -> None:
+        position, token = branch
+        if self._branch is None:
+            self._branch = ModelDrafter(self.stub, branch_session_id(self.session_id), self.sampling, self.timeout_s,
+                                        self.max_q_entries)
+        self._branch.prefetch(context_ids, Draft(chain[:position] + [token], None, common_pb2.DRAFT_SOURCE_MODEL),
+                              num_tokens)
 
     async def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
         prefetched = await self._take_prefetch(context_ids, num_tokens)
+        branched = await self._branch._take_prefetch(context_ids, num_tokens) if self._branch else None
+        if prefetched is None and branched is not None:
+            self.num_branch_hits += 1
+            if self.outcomes is not None:
+                self.outcomes.branch_continuation_ready += 1
+            return branched
         if prefetched is not None:
             return prefetched
         if num_tokens <= 0 or not self.link.round_allowed():
@@ -208,6 +233,8 @@ class ModelDrafter:
         if self._prefetch is not None:
             self._prefetch.task.cancel()
             self._prefetch = None
+        if self._branch is not None:
+            await self._branch.close()
         if self.bytes_sent == 0:
             return                                # never proposed (other tiers drafted): no session to end
         with contextlib.suppress(grpc.aio.AioRpcError):
@@ -223,4 +250,12 @@ def _to_draft(response: draft_pb2.ProposeResponse, start: int, num_tokens: int) 
     chain = list(response.draft_token_ids[start:end])
     alternatives = {a.position - start: list(a.token_ids) for a in response.alternatives if start <= a.position < end}
     ids, parents, dists = build_tree(chain, dists, alternatives)
-    return Draft(ids, dists, common_pb2.DRAFT_SOURCE_MODEL, parents)
+    likely = max(((a.probs[0], a.position - start, a.token_ids[0]) for a in response.alternatives
+                  if start <= a.position < end and a.token_ids and a.probs), default=None)
+    return Draft(ids, dists, common_pb2.DRAFT_SOURCE_MODEL, parents,
+                 None if likely is None or parents is None else (likely[1], likely[2]))
+
+
+def branch_session_id(session_id: str) -> str:
+    """The branch session's id: the request's, marked, within the services' bound (256 bytes)."""
+    return session_id.encode()[:250].decode(errors="ignore") + "~alt"

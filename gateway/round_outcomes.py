@@ -7,6 +7,8 @@ The classes are what drafting ahead has to guess (which block comes next):
     rejected_alt_hit           the target rejected a chain token and accepted one of its tree alternatives instead
     rejected_alt_miss          rejected at a position that had alternatives, none of them the target's choice
     rejected_no_alt            rejected at a position without alternatives (every rejection of a plain chain)
+    branch_continuation_ready  (overlap) the next round's drafts were prefetched after the likeliest alternative,
+                               and the target took that alternative (and the branch guessed its bonus token)
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class RoundOutcomes:
     rejected_alt_hit: int = 0
     rejected_alt_miss: int = 0
     rejected_no_alt: int = 0
+    branch_continuation_ready: int = 0   # overlap: the round after an alternative hit was drafted while verifying
 
     def observe(self, draft: Draft, num_accepted: int, accepted_node_indices: Sequence[int]) -> None:
         if not draft.token_ids:

@@ -121,7 +121,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             drafter = ModelDrafter(self.draft, session_id, params.sampling,
                                    min(self.config.draft_timeout_s, verifier_timeout),
                                    tree_width=self.config.draft_tree_width, outcomes=self.outcomes,
-                                   tree_pricing=draft_length.tree_width if draft_length else None)
+                                   tree_pricing=draft_length.tree_width if draft_length else None,
+                                   branch_prefetch=self.config.overlap)
         if self.tiers is not None and params.num_draft_tokens > 0:
             drafter = self.tiers.drafter(params, drafter, self.tiers.tenant(context.invocation_metadata()))
         first = next(self._next_replica) % len(self.verifiers)

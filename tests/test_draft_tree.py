@@ -89,6 +89,37 @@ async def test_model_drafter_sends_a_tree_and_prefetches_its_main_chain(draft) -
     await drafter.close()
 
 
+async def fresh_chain(stub: draft_pb2_grpc.DraftStub, context: list[int], k: int) -> list[int]:
+    drafter = ModelDrafter(stub, f"tree-{next(_ids)}", SamplingParams(), timeout_s=30.0)
+    try:
+        return (await drafter.propose(context, k)).token_ids
+    finally:
+        await drafter.close()
+
+
+async def test_branch_prefetch_drafts_the_continuation_after_the_likeliest_alternative(draft) -> None:
+    """Overlap: while a tree is verified, the block after its likeliest alternative is drafted on a branch
+    session; when the target takes that alternative (and the branch's guess of the next token is right), the next
+    round is served from it, equal to what a fresh session drafts there."""
+    _, stub = draft
+    drafter = ModelDrafter(stub, f"tree-{next(_ids)}", SamplingParams(), timeout_s=30.0, tree_width=2,
+                           branch_prefetch=True)
+    block = await drafter.propose(CONTEXT, 4)
+    assert block.likely_branch is not None and block.parents is not None
+    position, token = block.likely_branch
+    assert any(block.token_ids[i] == token and block.parents[i] == position - 1
+               for i in range(4, len(block.token_ids)))                  # it is a sibling of chain node `position`
+    drafter.prefetch(CONTEXT, block, 4)
+    taken = CONTEXT + block.token_ids[:position] + [token]                 # rejected at `position`, alternative taken
+    verified = taken + await fresh_chain(stub, taken, 1)
+    nxt = await drafter.propose(verified, 4)
+    assert drafter.num_branch_hits == 1 and drafter.num_prefetch_hits == 0
+    assert nxt.token_ids == await fresh_chain(stub, verified, 4)
+    after = await drafter.propose(verified + nxt.token_ids[:2] + [1], 4)   # the main session catches up
+    assert after.token_ids[:4] == await fresh_chain(stub, verified + nxt.token_ids[:2] + [1], 4)
+    await drafter.close()
+
+
 PROMPTS = ["The quick brown fox", "def fibonacci(n):\n    return", "1, 2, 3, 4,", "Once upon a time, in a city"]
 
 
@@ -163,7 +194,8 @@ def test_round_outcomes_classify_each_ending() -> None:
     outcomes.observe_bonus(True)
     outcomes.observe(NO_DRAFT, 0, [])
     assert outcomes.snapshot() == {"rounds": 1, "all_accepted": 0, "bonus_guessed": 1, "bonus_missed": 0,
-                                   "rejected_alt_hit": 1, "rejected_alt_miss": 0, "rejected_no_alt": 0}
+                                   "rejected_alt_hit": 1, "rejected_alt_miss": 0, "rejected_no_alt": 0,
+                                   "branch_continuation_ready": 0}
 
 
 def test_sampled_tree_with_one_hot_alternatives_after_the_sampled_child_is_exact() -> None:

@@ -1,6 +1,7 @@
 """Overlapped speculation (GatewayConfig.overlap): the next round's draft is asked for as soon as the verdict exists.
 Greedy output stays exactly the target's, with every k, prefetch on/off, an unrelated draft and the draft service
-down; a request that stops early releases its draft session (the early draft is cancelled)."""
+down; a request that stops early releases its draft sessions (the early draft is cancelled, the branch session
+ended)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ async def stack():
         "dead": await start_gateway(verifier.addr, "127.0.0.1:1", overlap=True),
     }
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir("tiny-target")))
-    yield {"gateways": gateways, "tokenizer": tokenizer, "same_draft": same}
+    yield {"gateways": gateways, "tokenizer": tokenizer, "same_draft": same, "unrelated_draft": unrelated}
     for running in (*gateways.values(), same, unrelated, verifier):
         await running.stop()
 
@@ -49,11 +50,13 @@ async def test_overlap_keeps_greedy_output(stack, gateway: str, k: int) -> None:
         assert got == reference_greedy(tokenizer(prompt)["input_ids"], 20)
 
 
-async def test_an_early_stop_releases_the_draft_session(stack) -> None:
-    got = await generate(stack["gateways"]["same"].addr, PROMPTS[0], max_new_tokens=5, num_draft_tokens=4,
+@pytest.mark.parametrize(("gateway", "draft"), [("same", "same_draft"), ("unrelated_tree", "unrelated_draft")])
+async def test_an_early_stop_releases_the_draft_sessions(stack, gateway: str, draft: str) -> None:
+    """unrelated_tree also opens a branch session (the continuation after the likeliest alternative)."""
+    got = await generate(stack["gateways"][gateway].addr, PROMPTS[0], max_new_tokens=5, num_draft_tokens=4,
                          ignore_eos=True)
     assert len(got) == 5
-    engine = stack["same_draft"].engine
+    engine = stack[draft].engine
     for _ in range(100):                              # cleanup runs as its own task after the stream ends
         if not engine.sessions:
             break
