@@ -250,10 +250,29 @@ def _to_draft(response: draft_pb2.ProposeResponse, start: int, num_tokens: int) 
     chain = list(response.draft_token_ids[start:end])
     alternatives = {a.position - start: list(a.token_ids) for a in response.alternatives if start <= a.position < end}
     ids, parents, dists = build_tree(chain, dists, alternatives)
-    likely = max(((a.probs[0], a.position - start, a.token_ids[0]) for a in response.alternatives
-                  if start <= a.position < end and a.token_ids and a.probs), default=None)
     return Draft(ids, dists, common_pb2.DRAFT_SOURCE_MODEL, parents,
-                 None if likely is None or parents is None else (likely[1], likely[2]))
+                 likely_branch(response, start, len(chain)) if parents is not None else None)
+
+
+CONFIDENT = 0.9    # the draft's top-1 probability assumed where no alternatives were returned (it was >= 0.8)
+
+
+def likely_branch(response: draft_pb2.ProposeResponse, start: int, num_chain: int) -> tuple[int, int] | None:
+    """(position, token) of the alternative the target most likely takes: P(the path reaches the position) times
+    the alternative's probability, where reaching position j needs the chain accepted before it (estimated by the
+    draft's own confidence: at most 1 - the alternatives' mass where they exist, CONFIDENT elsewhere)."""
+    alternatives = {a.position - start: a for a in response.alternatives
+                    if start <= a.position < start + num_chain and a.token_ids and a.probs}
+    reach, best, best_score = 1.0, None, 0.0
+    for position in range(num_chain):
+        alt = alternatives.get(position)
+        if alt is None:
+            reach *= CONFIDENT
+            continue
+        if reach * alt.probs[0] > best_score:
+            best, best_score = (position, int(alt.token_ids[0])), reach * alt.probs[0]
+        reach *= max(0.0, min(0.8, 1.0 - sum(alt.probs)))
+    return best
 
 
 def branch_session_id(session_id: str) -> str:
