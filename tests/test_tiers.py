@@ -93,12 +93,13 @@ async def stack():
     verifier = await start_verifier()
     draft = await start_draft("tiny-draft-unrelated")          # model drafts mostly rejected: cache hits stand out
     memory = await start_gateway(verifier.addr, draft.addr, enable_cache=True)
+    # A loaded test machine must not turn cache reads into misses (the 50 ms default is for production).
     on_redis = await start_gateway(verifier.addr, draft.addr, enable_cache=True, redis_url=store.url,
-                                   cache_secret="test-secret")
+                                   cache_secret="test-secret", cache_read_timeout_s=1.0)
     ngram = await start_gateway(verifier.addr, "", enable_ngram=True)
     same = await start_draft("tiny-draft")                      # identical weights: its drafts are always right
     mixed = await start_gateway(verifier.addr, same.addr, enable_cache=True, redis_url=store.url,
-                                cache_secret="mixed-secret")
+                                cache_secret="mixed-secret", cache_read_timeout_s=1.0)
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir("tiny-target")))
     yield {"store": store, "memory": memory, "redis": on_redis, "ngram": ngram, "mixed": mixed,
            "tokenizer": tokenizer}
@@ -175,7 +176,7 @@ async def test_only_verified_tokens_are_cached(stack) -> None:
     assert ids == want
     model = rounds(responses, MODEL)
     assert sum(r.num_drafted for r in model) > sum(r.num_accepted for r in model)   # rejected drafts existed
-    await asyncio.sleep(0.2)
+    await settle(stack["store"])
     context = stack["tokenizer"](prompt)["input_ids"] + want
     start = len(context) - len(want)
     deriver = KeyDeriver(key_names_key(b"test-secret"), "tiny-target", "tiny-target", (8,))
@@ -214,7 +215,7 @@ async def test_garbage_in_redis_does_not_change_output(stack) -> None:
     prompt = "Can I return a book I bought last week?"
     want = expected(stack, prompt)
     first, _ = await generate(stack["redis"].addr, prompt, tenant="g")
-    await asyncio.sleep(0.1)
+    await settle(stack["store"])
     assert poison(stack["store"], stack["tokenizer"].vocab_size) > 0
     ids, responses = await generate(stack["redis"].addr, prompt, tenant="g")
     assert first == want and ids == want
@@ -264,7 +265,7 @@ async def test_draft_service_catches_up_after_local_rounds(stack) -> None:
     prompt, max_new = "The lighthouse keeper wrote in his log", 96
     want = expected(stack, prompt, max_new)
     ids, _ = await generate(stack["mixed"].addr, prompt, tenant="mix", max_new_tokens=max_new)
-    await asyncio.sleep(0.2)
+    await settle(stack["store"])
     context = stack["tokenizer"](prompt)["input_ids"] + want
     deriver = KeyDeriver(key_names_key(b"mixed-secret"), "tiny-target", "tiny-target", (8, 4, 2))
     start = len(context) - max_new
