@@ -316,15 +316,19 @@ def hf_summaries(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def cost_ratio(hf: dict[str, Any], layouts: list[Layout]) -> dict[str, float]:
-    """c per layout: draft time per token (at the layout's draft threads) / target time per token (verifier
-    threads), from the in-process runs at the shortest length."""
+def cost_ratio(hf: dict[str, Any], layouts: list[Layout], summary: dict[str, Any]) -> dict[str, float]:
+    """c per layout: draft time per token (in-process, at the layout's draft threads) / target time per token,
+    the layout's own target-only arm (decode median at the shortest length; the unit of the goals' round model),
+    or the in-process target at the verifier's threads when the stack has none."""
     out = {}
     for layout in layouts:
-        t = next((s for k, s in hf.items() if k.endswith(f"/t{layout.verifier_threads}") and "target" in s), None)
         d = next((s for k, s in hf.items() if k.endswith(f"/t{layout.draft_threads}") and "draft" in s), None)
-        if t and d and d["draft"]["overall"]["tok_s"]:
-            out[layout.name] = t["target"]["overall"]["tok_s"] / d["draft"]["overall"]["tok_s"]
+        keys = sorted((k for k in summary if k.startswith(f"{layout.name}/")), key=lambda k: int(k.split("/")[1]))
+        stack = summary[keys[0]]["target"]["overall"].get("median_decode_tok_s", 0.0) if keys else 0.0
+        t = next((s for k, s in hf.items() if k.endswith(f"/t{layout.verifier_threads}") and "target" in s), None)
+        target_tok_s = stack or (t["target"]["overall"]["tok_s"] if t else 0.0)
+        if d and d["draft"]["overall"]["tok_s"] and target_tok_s:
+            out[layout.name] = target_tok_s / d["draft"]["overall"]["tok_s"]
     return out
 
 
@@ -423,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"transformers target-only at token {r['mismatch_at']}")
     summary = summarize_runs(runs, max(args.num_draft_tokens, args.adaptive_max_k))
     hf = hf_summaries(hf_runs)
-    c_of = cost_ratio(hf, layouts)
+    c_of = cost_ratio(hf, layouts, summary)
     report = {"meta": meta, "hf_dtype": dtype, "layouts": {lay.name: lay.description for lay in layouts},
               "not_run": not_run, "summary": summary, "hf": hf, "cost_ratio": c_of, "llamacpp": peer,
               "analytic": {key: bound(s, c_of.get(key.split("/")[0], 0.0), args.num_draft_tokens, arm)

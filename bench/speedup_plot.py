@@ -98,7 +98,7 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"llama.cpp peer not run: {report['llamacpp']['skipped']}")
     for failure in report.get("llamacpp", {}).get("failed", []):
         print(f"llama.cpp peer failed: {failure}")
-    print("\ndraft/target cost ratio c per layout (in-process transformers): "
+    print("\ndraft/target cost ratio c per layout (in-process draft vs the layout's target-only arm): "
           + ", ".join(f"{k} {v:.2f}" for k, v in report.get("cost_ratio", {}).items()))
     for key, a in report.get("analytic", {}).items():
         if a:

@@ -332,3 +332,14 @@ def test_speedup_prompt_selection_per_length_and_for_the_peers() -> None:
     peers = speedup.peer_prompts(prompts, args, limit=1)
     assert list(peers) == [64] and len(peers[64]) == len({p.category for p in prompts[64]})
     assert speedup.parse_args(["--max-new-tokens", "16"]).length_list == [16]
+
+
+def test_cost_ratio_prices_the_draft_in_the_layouts_own_target_steps() -> None:
+    hf = {"64/t1": {"target": {"overall": {"tok_s": 10.0}}, "draft": {"overall": {"tok_s": 25.0}}},
+          "64/t2": {"target": {"overall": {"tok_s": 2.0}}}}
+    summary = {"a/64": {"target": {"overall": {"median_decode_tok_s": 12.5}}},
+               "b/256": {"target": {"overall": {"median_decode_tok_s": 7.0}}},
+               "b/64": {"target": {"overall": {"median_decode_tok_s": 15.0}}}}
+    c = speedup.cost_ratio(hf, [LAYOUTS["a"], LAYOUTS["b"]], summary)
+    assert c == {"a": pytest.approx(0.5), "b": pytest.approx(0.6)}          # shortest length's target arm
+    assert speedup.cost_ratio(hf, [LAYOUTS["a"]], {}) == {"a": pytest.approx(0.4)}   # no stack: in-process target
