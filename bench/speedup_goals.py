@@ -30,13 +30,14 @@ def round_terms(speedup: float, tokens_per_round: float, drafted_per_round: floa
     r = e / speedup
     d, v = m * c, g * verify_token_cost
     o = r - 1.0 - d - v
+    hidden = max(0.0, -o)              # R below 1 + D + V: that much drafting ran alongside verification
     ideal = {
         "acceptance": (g + 1.0) / r,
-        "draft cost": e / max(r - d, 1e-9),
+        "draft cost": e / max(r - max(0.0, d - hidden), 1e-9),
         "verify cost": e / max(r - v, 1e-9),
         "overhead": e / max(r - o, 1e-9) if o > 0 else speedup,
     }
-    return {"speedup": speedup, "E": e, "g": g, "R": r, "D": d, "V": v, "O": o,
+    return {"speedup": speedup, "E": e, "g": g, "R": r, "D": d, "V": v, "O": o, "hidden": hidden,
             "bound": e / (1.0 + d), **{f"ideal {k}": x for k, x in ideal.items()}}
 
 
@@ -48,7 +49,8 @@ def limiting_term(terms: dict[str, float]) -> str:
     worst = max(names, key=lambda n: terms[f"ideal {n}"])
     detail = {
         "acceptance": f"E={terms['E']:.2f} of {terms['g'] + 1:.2f} tokens/round",
-        "draft cost": f"D=m*c={terms['D']:.2f} target steps/round",
+        "draft cost": f"D=m*c={terms['D']:.2f} target steps/round"
+                      + (f" ({terms['hidden']:.2f} of it hidden behind verification)" if terms["hidden"] else ""),
         "verify cost": f"V={terms['V']:.2f} target steps/round",
         "overhead": f"O={terms['O']:.2f} target steps/round",
     }[worst]

@@ -260,6 +260,8 @@ def test_round_terms_split_the_round_and_name_the_limit() -> None:
     assert suffix["D"] == 0.0 and suffix["O"] == pytest.approx(1.0) and limiting_term(suffix).startswith("overhead")
     slow = round_terms(1.0, 3.0, 4.0, 0.05, 0.1)          # R = 3 = 1 + 0.2 + 0.4 + O 1.4
     assert slow["O"] == pytest.approx(1.4) and limiting_term(slow).startswith("overhead")
+    hidden = round_terms(2.0, 3.0, 4.0, 0.25, 0.0)         # R = 1.5 < 1 + D: half of D ran alongside the verify
+    assert hidden["hidden"] == pytest.approx(0.5) and hidden["ideal draft cost"] == pytest.approx(3.0)
     assert round_terms(0.0, 3.0, 4.0, 0.1, 0.1) == {} and limiting_term({}) == "no rounds measured"
 
 
