@@ -19,7 +19,8 @@
 
     .venv/bin/python -m bench.speedup --preset tiny --limit 2 --max-new-tokens 16          # ~3 min
     .venv/bin/python -m bench.speedup --preset qwen --env SPECMESH_VERIFIER_DTYPE=int8 \\
-        --env SPECMESH_DRAFT_DTYPE=int8 --lengths 64,256 --long-limit 1
+        --env SPECMESH_DRAFT_DTYPE=int8 --lengths 64,256 --long-limit 1 --long-categories chat,code,code-edit \\
+        --long-arms all --b-arms target,sequential,all --max-repeats 2 --peer-lengths 64 --hf-limit 1   # ~30 min
 
 Every stack output must equal the same layout's target-only output token for token (failures: `!!!`, exit code 1).
 Whether the peers' speculative outputs equal their own target-only outputs is reported. Writes
