@@ -186,10 +186,10 @@ async def test_a_fault_while_finishing_one_request_fails_only_that_request() -> 
         firsts = [(await s.future).token_ids[0] for s in starts]
         real_sample = engine._sample
 
-        def sample(session, *args):
+        def sample(req, session, *args):
             if session.session_id == "f1":
                 raise RuntimeError("boom")
-            return real_sample(session, *args)
+            return real_sample(req, session, *args)
 
         engine._sample = sample
         verifies = [engine.verify(f"f{i}", [7, 8], None) for i in range(3)]

@@ -23,11 +23,12 @@ import torch
 from opentelemetry.trace import SpanContext
 
 from specmesh.engine.batched import BatchedEngine
+from specmesh.engine.batched_rejection import greedy_accept
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.loop import Completion, EngineError
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
 from specmesh.engine.scheduler import ForwardRequest, ScheduledItem, SeqState
-from specmesh.rejection import SparseDist, rejection_sample, verify_greedy
+from specmesh.rejection import SparseDist, rejection_sample
 from specmesh.sampling import SamplingParams, logits_to_probs, make_generator
 from specmesh.tree import keep_shallow
 from specmesh.tree_rejection import tree_rejection_sample, verify_tree_greedy
@@ -201,7 +202,7 @@ class VerifierEngine(BatchedEngine):
         session, drafts, done = req.payload
         seq = session.seq
         if drafts.parents is None:
-            emitted = self._sample(session, logits, req.extra_ids, drafts.dists)
+            emitted = self._sample(req, session, logits, drafts.dists)
             accepted = list(range(len(emitted) - 1))
         else:
             accepted, final = self._sample_tree(session, logits, req.extra_ids, drafts)
@@ -240,10 +241,11 @@ class VerifierEngine(BatchedEngine):
         dists = drafts.dists if drafts.dists else [SparseDist((t,), (1.0,)) for t in node_ids]
         return tree_rejection_sample(target_probs, node_ids, drafts.parents, dists, session.generator)
 
-    def _sample(self, session: Session, logits: torch.Tensor, draft_ids: Sequence[int],
+    def _sample(self, req: ForwardRequest, session: Session, logits: torch.Tensor,
                 dists: list[SparseDist] | None) -> list[int]:
-        if session.params.is_greedy:
-            return verify_greedy(logits, draft_ids)
+        draft_ids = req.extra_ids
+        if session.params.is_greedy:       # the step's one argmax over all rows (verify_greedy is the oracle)
+            return greedy_accept(self.argmax_rows(req), draft_ids)
         target_probs = logits_to_probs(logits, session.params)
         draft_dists = dists if dists else [SparseDist((t,), (1.0,)) for t in draft_ids]
         return rejection_sample(target_probs, draft_ids, draft_dists, session.generator)
