@@ -235,6 +235,8 @@ class DraftEngine(BatchedEngine):
             seq.num_computed = min(seq.num_computed, plan.num_computed_cap)
             seq.token_ids = list(context)
             session.tail_dists, session.tail_alts = [], []
+            if seq.allocated and seq.num_computed < self.block_manager.num_hashed_tokens(seq.seq_id):
+                self.scheduler.reset(seq)            # below a hashed block: recompute (the prefix cache gives it back)
         session.context_len = len(context)
         seq.num_verified = plan.num_verified
         if seq.allocated:

@@ -19,7 +19,7 @@ class SyncPlan:
     num_verified: int           # of which verified (verified tokens stay verified)
     reset: bool                 # the call rewrote verified tokens: drop everything and start over
     tail_kept_from: int | None  # the context continues into the drafted tail: keep the tail from this index of it
-    num_computed_cap: int       # KV beyond this many tokens is stale
+    num_computed_cap: int       # KV beyond this many tokens is stale (or must run again)
 
 
 def place_delta(known: bool, session_context_len: int, context_len: int, num_new: int) -> int:
@@ -43,4 +43,6 @@ def plan_sync(token_ids: list[int], num_verified: int, context_len: int, context
         return SyncPlan(context, verified, True, None, 0)
     if match == len(context) >= context_len:         # the context continues into what was drafted
         return SyncPlan(context, max(verified, num_verified), False, match - context_len, len(token_ids))
-    return SyncPlan(context, max(verified, num_verified), False, None, match)
+    # Stale tail: roll back. The last context token runs again even when its KV is current (the context dropped
+    # assumed tokens and is a prefix of what ran): drafting needs the logits after it.
+    return SyncPlan(context, max(verified, num_verified), False, None, min(match, len(context) - 1))

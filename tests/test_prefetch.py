@@ -124,3 +124,22 @@ async def test_prefetch_only_continues_model_drafts(draft) -> None:
     drafter.prefetch(CONTEXT, Draft([1, 2, 3], None, common_pb2.DRAFT_SOURCE_MODEL), 0)
     assert not drafter.prefetching
     await drafter.close()
+
+
+@pytest.mark.parametrize("context_len", [116, 112])
+async def test_a_context_shorter_than_the_assumed_one_drafts_again(draft, context_len: int) -> None:
+    """A call whose context drops assumed tokens whose KV is already computed (here: all of them, so the context is
+    a strict prefix of what the session ran) must run its last token again to draft from it, also when that token
+    sits in a verified block the prefix cache has hashed (context_len 112 = 7 full blocks)."""
+    running, stub = draft
+    engine = running.engine
+    context = CONTEXT[:context_len]
+    expected = await fresh_draft(stub, context, 3)
+    session = f"shorter-{context_len}"
+    assumed = CONTEXT[:context_len + 4]
+    first = await engine.propose(session, len(assumed), assumed, 4, SamplingParams(), 0, 0,
+                                 num_assumed_tokens=4).future
+    assert len(first.draft_ids) == 4
+    again = await engine.propose(session, context_len, [], 3, SamplingParams(), 0, 0).future
+    engine.end_session(session)
+    assert again.draft_ids == expected

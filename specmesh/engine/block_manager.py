@@ -80,6 +80,10 @@ class BlockManager:
     def has_seq(self, seq_id: int) -> bool:
         return seq_id in self._seqs
 
+    def num_hashed_tokens(self, seq_id: int) -> int:
+        """Tokens in the sequence's hashed (immutable) leading blocks: ``truncate`` cannot go below this."""
+        return self._seq(seq_id).num_hashed_blocks * self.block_size
+
     def num_tokens(self, seq_id: int) -> int:
         return self._seq(seq_id).num_tokens
 
