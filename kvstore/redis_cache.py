@@ -14,7 +14,8 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -71,20 +72,9 @@ class RedisDraftCache:
         self._warn.warning("draft cache %s failed (%s: %s); going on without it", what, type(exc).__name__, exc)
 
     async def lookup(self, scope: str, context_ids: Sequence[int], max_tokens: int) -> list[int]:
-        if max_tokens <= 0 or not self._available():
+        if max_tokens <= 0:
             return []
-        if not self._reader_ready:
-            self._connect()
-            return []
-        keys = self.keys.keys(scope, context_ids)
-        if not keys:
-            return []
-        self.counters.lookups += 1
-        try:
-            replies = await asyncio.wait_for(self._read(keys), 2 * self.read_timeout_s)
-        except Exception as exc:  # any failure is a miss, never a client error
-            self._failed("read", exc)
-            return []
+        keys, replies = await self._read_suffix_keys(scope, context_ids, self._read)
         for key, members in zip(keys, replies, strict=False):
             for member in members if isinstance(members, list) else ():
                 tokens = self.codec.decode(key, member)
@@ -92,6 +82,25 @@ class RedisDraftCache:
                     self.counters.hits += 1
                     return tokens[:max_tokens]
         return []
+
+    async def _read_suffix_keys(self, scope: str, context_ids: Sequence[int],
+                                read: Callable[[list[str]], Awaitable[list[Any]]]) -> tuple[list[str], list[Any]]:
+        """(the context's suffix keys, Redis's reply per key), or two empty lists: Redis paused after a failure, the
+        reader still connecting, or a read that failed or was slow (any failure is a miss, never a client error)."""
+        if not self._available():
+            return [], []
+        if not self._reader_ready:
+            self._connect()
+            return [], []
+        keys = self.keys.keys(scope, context_ids)
+        if not keys:
+            return [], []
+        self.counters.lookups += 1
+        try:
+            return keys, await asyncio.wait_for(read(keys), 2 * self.read_timeout_s)
+        except Exception as exc:
+            self._failed("read", exc)
+            return [], []
 
     def _connect(self) -> None:
         """Initializes the cluster reader (slot map, command table) in the background."""

@@ -13,7 +13,6 @@ verified output tokens are written; Redis down, slow or holding garbage is a mis
 
 from __future__ import annotations
 
-import asyncio
 import math
 import os
 from collections.abc import Sequence
@@ -72,20 +71,7 @@ class RedisSuffixStore(RedisDraftCache):
     """Shared by every gateway on the same Redis (or Redis Cluster) and cache secret."""
 
     async def lookup_counts(self, scope: str, context_ids: Sequence[int]) -> SuffixHits:
-        if not self._available():
-            return []
-        if not self._reader_ready:
-            self._connect()
-            return []
-        keys = self.keys.keys(scope, context_ids)
-        if not keys:
-            return []
-        self.counters.lookups += 1
-        try:
-            replies = await asyncio.wait_for(self._read_counts(keys), 2 * self.read_timeout_s)
-        except Exception as exc:  # any failure is a miss, never a client error
-            self._failed("read", exc)
-            return []
+        keys, replies = await self._read_suffix_keys(scope, context_ids, self._read_counts)
         hits = []
         for n, key, members in zip(_lens(self.keys, context_ids), keys, replies, strict=False):
             found = self._decode(key, members)
