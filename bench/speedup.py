@@ -20,7 +20,7 @@
     .venv/bin/python -m bench.speedup --preset tiny --limit 2 --max-new-tokens 16          # ~3 min
     .venv/bin/python -m bench.speedup --preset qwen --env SPECMESH_VERIFIER_DTYPE=int8 \\
         --env SPECMESH_DRAFT_DTYPE=int8 --lengths 64,256 --long-limit 1 --long-categories chat,code,code-edit \\
-        --long-arms all --b-arms target,sequential,all --max-repeats 2 --peer-lengths 64 --hf-limit 1   # ~30 min
+        --long-arms all --b-arms target,sequential,all --max-repeats 2 --peer-lengths 64 --hf-limit 1   # 16 min here
 
 Every stack output must equal the same layout's target-only output token for token (failures: `!!!`, exit code 1).
 Whether the peers' speculative outputs equal their own target-only outputs is reported. Writes
@@ -36,7 +36,6 @@ import asyncio
 import json
 import sys
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,6 +58,7 @@ from bench.common import (
     timed_request,
     write_json,
 )
+from bench.hf_peer import HF_MODES, hf_phase, hf_summaries
 from bench.speedup_arms import (
     ARM_DRAFT_ENV,
     ARM_ENV,
@@ -75,11 +75,10 @@ from bench.speedup_arms import (
 )
 from bench.speedup_goals import all_goals, format_goal
 from bench.speedup_plot import plot, print_report
-from bench.speedup_stats import analytic_speedup, hf_summary, prompt_id, summarize_arm
+from bench.speedup_stats import analytic_speedup, prompt_id, summarize_arm
 from bench.wan_proxy import WanProxy
 from specmesh.launcher import PRESETS, Stack, StackConfig
 
-HF_MODES = ("target", "draft", "assisted", "lookup")
 Results = dict[str, list[RequestResult]]   # per arm ("model@rtt40" etc. for the sweep)
 
 
@@ -248,73 +247,6 @@ async def run_stack_arms(args: argparse.Namespace, layout: str, prompts: dict[in
                 log(f"{prompt.id:<22} {arm} at rtt {rtt:g} ms: decode {rs[-1].decode_tok_s:.2f} tok/s")
     proxy.latency_ms = 0.0
     return by_key, [p.id for p in sweep]
-
-
-# ------------------------------------------------------------------------------------------------- transformers
-def hf_phase(args: argparse.Namespace, prompts: dict[int, list[Prompt]], dtype: str) -> list[dict[str, Any]]:
-    """transformers' generate() in this process on the same models (and int8 linears if dtype is int8), at each
-    of --hf-threads; the draft alone (for c) only at the shortest length."""
-    modes = split_csv(args.hf_modes)
-    if not modes:
-        return []
-    import torch
-
-    from bench import compare_hf
-    from specmesh.engine.int8_linear import quantize_linears
-    from specmesh.models import load_model
-
-    warnings.filterwarnings("ignore")
-    target_ref, draft_ref = PRESETS[args.preset]
-    target, draft = load_model(target_ref), load_model(draft_ref)
-    if dtype == "int8":
-        quantize_linears(target.model)
-        quantize_linears(draft.model)
-    knobs = argparse.Namespace(assistant_tokens=0, prompt_lookup_tokens=10)
-    shortest = min(prompts)
-    runs = []
-    for threads in [int(t) for t in split_csv(args.hf_threads)]:
-        torch.set_num_threads(threads)
-        compare_hf.timed_generate(target, compare_hf.encode(target, prompts[shortest][0]), 2)      # warm-up
-        for length, selected in prompts.items():
-            for prompt in selected:
-                ids = compare_hf.encode(target, prompt)
-                reference: list[int] = []
-                mine = []
-                for mode in ["target"] + [m for m in modes if m != "target" and (m != "draft" or length == shortest)]:
-                    model = draft if mode == "draft" else target
-                    kwargs = {} if mode == "draft" else compare_hf.generate_kwargs(mode, draft, knobs)
-                    tokens, seconds = compare_hf.timed_generate(model, ids, length, **kwargs)
-                    reference = tokens if mode == "target" else reference
-                    same = mode in ("target", "draft") or tokens == reference
-                    mine.append({"prompt_id": prompt.id, "category": prompt.category, "mode": mode,
-                                 "threads": threads, "max_new_tokens": length, "new_tokens": len(tokens),
-                                 "seconds": seconds, "matches_target": same,
-                                 "mismatch_at": -1 if same else first_mismatch(reference, tokens),
-                                 "token_ids": tokens})
-                log(f"hf t{threads} @{length} {prompt.id:<20} tok/s: " + " | ".join(
-                    f"{r['mode']} {r['new_tokens'] / r['seconds']:.2f}" for r in mine))
-                runs += mine
-    return runs
-
-
-def hf_key(length: int, threads: int) -> str:
-    return f"{length}/t{threads}"
-
-
-def hf_summaries(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """hf_summary per (length, threads); the draft (run at the shortest length only) is folded into every
-    length's summary for its threads."""
-    out = {}
-    for length in sorted({r["max_new_tokens"] for r in runs}):
-        for threads in sorted({r["threads"] for r in runs}):
-            mine = [r for r in runs if r["max_new_tokens"] == length and r["threads"] == threads]
-            out[hf_key(length, threads)] = hf_summary(mine)
-    drafts = {t: s["draft"] for k, s in out.items() if "draft" in s for t in [k.split("/t")[1]]}
-    for key, s in out.items():
-        s.setdefault("draft", drafts.get(key.split("/t")[1], {}))
-        if not s["draft"]:
-            del s["draft"]
-    return out
 
 
 def cost_ratio(hf: dict[str, Any], layouts: list[Layout], summary: dict[str, Any]) -> dict[str, float]:
