@@ -333,8 +333,11 @@ async def test_sessions_of_a_sigkilled_gateway_expire(leased) -> None:
         await asyncio.to_thread(wait_serving, f"127.0.0.1:{port}", 120, gateway)
         request = client.make_request(PROMPT, max_new_tokens=480, ignore_eos=True, num_draft_tokens=3)
         streams = [asyncio.ensure_future(_status_of_stream(f"127.0.0.1:{port}", request)) for _ in range(3)]
-        for _ in range(600):
-            if len(verifier.engine.sessions) == 3 and draft.engine.sessions:
+        # Kill only once every session has its first token: a StartSession still in flight when the gateway dies is
+        # cancelled, and a cancelled StartSession closes its session at once (no lease to expire).
+        for _ in range(1000):
+            sessions = list(verifier.engine.sessions.values())
+            if len(sessions) == 3 and all(s.started for s in sessions) and draft.engine.sessions:
                 break
             await asyncio.sleep(0.01)
         assert len(verifier.engine.sessions) == 3, "three streams run when the gateway dies"
