@@ -167,12 +167,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         nonlocal stopped
         stopped = True
 
+    # Handlers for both: a process started in the background by a non-interactive shell inherits SIGINT ignored.
     signal.signal(signal.SIGTERM, _stop)
-    try:
-        while not stopped and not stack.exited():
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
+    signal.signal(signal.SIGINT, _stop)
+    while not stopped and not stack.exited():
+        time.sleep(0.5)
     died = stack.exited()
     stack.stop()
     if died and not stopped:
