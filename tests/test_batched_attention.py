@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from specmesh.engine.int8_linear import quantize_linears
+from specmesh.engine.build import QUANTIZERS
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
 from specmesh.engine.paged_attention import PagedBatch, PagedKVCache, SeqSlice, paged_attention_forward
 from specmesh.models import resolve_model_dir
@@ -19,9 +19,9 @@ BLOCKS_PER_SEQ = 16
 
 def runner_for(dtype: str) -> ModelRunner:
     model = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir("tiny-target")), dtype=torch.float32)
-    if dtype == "int8":
-        quantize_linears(model)
-    return ModelRunner(model, num_blocks=8 * BLOCKS_PER_SEQ + 1, block_size=BLOCK, batch_invariant=dtype == "int8")
+    if dtype in QUANTIZERS:
+        QUANTIZERS[dtype][0](model)
+    return ModelRunner(model, num_blocks=8 * BLOCKS_PER_SEQ + 1, block_size=BLOCK, batch_invariant=dtype in QUANTIZERS)
 
 
 def table(seq: int) -> list[int]:
@@ -37,7 +37,7 @@ def prefill(runner: ModelRunner, seq: int, ids: list[int]) -> None:
     runner.forward([ForwardItem(ids, 0, table(seq), 1)])
 
 
-@pytest.mark.parametrize("dtype", ["int8", "float32"])
+@pytest.mark.parametrize("dtype", ["int8", "int4", "float32"])
 def test_logits_alone_equal_logits_in_an_8_sequence_batch(dtype: str) -> None:
     runner = runner_for(dtype)
     contexts = [random_ids(5 + 3 * s, seed=s) for s in range(8)]          # different context lengths
@@ -47,7 +47,7 @@ def test_logits_alone_equal_logits_in_an_8_sequence_batch(dtype: str) -> None:
     alone = [runner.forward([ForwardItem(drafts[s], len(contexts[s]), table(s), len(drafts[s]))])[0]
              for s in range(8)]
     together = runner.forward([ForwardItem(drafts[s], len(contexts[s]), table(s), len(drafts[s])) for s in range(8)])
-    if dtype == "int8":
+    if dtype in QUANTIZERS:
         for s in range(8):
             assert torch.equal(alone[s], together[s]), s
     else:   # fp32 GEMMs differ with the number of rows; the attention itself is covered below
@@ -121,10 +121,11 @@ def test_batched_attention_matches_per_sequence_attention(rowwise: bool, tree: b
     torch.testing.assert_close(out[0], expected, rtol=1e-5, atol=1e-6)
 
 
-def test_int8_logits_do_not_depend_on_the_thread_count() -> None:
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantized_logits_do_not_depend_on_the_thread_count(dtype: str) -> None:
     """The engine may raise its threads for big steps (num_threads_max): a block verified on 2 threads equals the
     one-token decodes on 1 thread."""
-    runner = runner_for("int8")
+    runner = runner_for(dtype)
     context, block = random_ids(50, seed=1), random_ids(9, seed=2)
     prefill(runner, 0, context)
     single = [runner.forward([ForwardItem(block[i:i + 1], 50 + i, table(0), 1)])[0][0] for i in range(9)]

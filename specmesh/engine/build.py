@@ -10,6 +10,7 @@ import torch
 
 from specmesh.config import EngineConfig
 from specmesh.engine.block_manager import BlockManager
+from specmesh.engine.int4_linear import quantize_linears_int4
 from specmesh.engine.int8_linear import quantize_linears
 from specmesh.engine.model_runner import ModelRunner, kv_cache_geometry
 from specmesh.engine.paged_attention import PagedKVCache
@@ -19,7 +20,11 @@ from specmesh.models import LoadedModel, load_model
 log = logging.getLogger(__name__)
 
 # "int8": float32 weights quantized to int8 with per-token activation scales (batch-invariant, see int8_linear).
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.float32}
+# "int4": 4-bit weights in groups of 32, int8 per-token activations (batch-invariant, see int4_linear).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.float32,
+          "int4": torch.float32}
+QUANTIZERS = {"int8": (quantize_linears, "int8 (per-token activations)"),
+              "int4": (quantize_linears_int4, "int4 groups of 32 (per-token int8 activations)")}
 
 
 @dataclass(frozen=True)
@@ -54,9 +59,9 @@ def build_engine_parts(config: EngineConfig, head_vocab: int = 0) -> EngineParts
         always = [*tok.all_special_ids, *tok.get_added_vocab().values(), *loaded.eos_token_ids]
         log.info("%s: LM head restricted to %d token ids", config.model,
                  restrict_lm_head(loaded.model, head_vocab, always))
-    batch_invariant = config.dtype == "int8"
+    batch_invariant = config.dtype in QUANTIZERS
     if batch_invariant:
-        log.info("%s: %d linear layers quantized to int8 (per-token activations)", config.model,
-                 quantize_linears(loaded.model))
+        quantize, what = QUANTIZERS[config.dtype]
+        log.info("%s: %d linear layers quantized to %s", config.model, quantize(loaded.model), what)
     runner = ModelRunner(loaded.model, num_blocks, config.block_size, batch_invariant=batch_invariant)
     return EngineParts(loaded, runner, BlockManager(num_blocks, config.block_size), max_model_len)

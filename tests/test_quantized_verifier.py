@@ -1,5 +1,6 @@
-"""Batch-invariant int8 numerics: a k-token verify gives bit-identical logits to k one-token decodes, so greedy
-speculation on an int8 target equals target-only int8 decoding through the same stack, token for token."""
+"""Batch-invariant int8 and int4 numerics: a k-token verify gives bit-identical logits to k one-token decodes, so
+greedy speculation on a quantized target equals target-only decoding of that target through the same stack, token
+for token."""
 
 from __future__ import annotations
 
@@ -10,16 +11,17 @@ import pytest_asyncio
 import torch
 from transformers import AutoModelForCausalLM
 
-from specmesh.engine.int8_linear import quantize_linears
+from specmesh.engine.build import QUANTIZERS
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
 from specmesh.models import resolve_model_dir
 from tests.stack import start_draft, start_gateway, start_verifier
 from tests.test_e2e_greedy import PROMPTS, generate
 
 
-def test_k_token_forward_is_bit_identical_to_one_token_steps() -> None:
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_k_token_forward_is_bit_identical_to_one_token_steps(dtype: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir("tiny-target")), dtype=torch.float32)
-    quantize_linears(model)
+    QUANTIZERS[dtype][0](model)
     runner = ModelRunner(model, num_blocks=64, block_size=4, batch_invariant=True)
     ids = torch.randint(3, 500, (20,), generator=torch.Generator().manual_seed(0)).tolist()
     table = list(range(16))          # block b holds positions 4b .. 4b + 3
@@ -38,10 +40,10 @@ def test_dynamic_int8_is_not_batch_invariant() -> None:
     assert not torch.equal(layer(x)[0], layer(x[:1])[0])
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def int8_stack():
-    verifier = await start_verifier(dtype="int8")
-    same = await start_draft("tiny-draft", dtype="int8")
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=["int8", "int4"])
+async def quantized_stack(request):
+    verifier = await start_verifier(dtype=request.param)
+    same = await start_draft("tiny-draft", dtype=request.param)
     unrelated = await start_draft("tiny-draft-unrelated")
     gateways = {"same": await start_gateway(verifier.addr, same.addr),
                 "unrelated": await start_gateway(verifier.addr, unrelated.addr)}
@@ -51,12 +53,12 @@ async def int8_stack():
 
 
 @pytest.mark.parametrize("k", [1, 3, 5, 8])
-async def test_int8_speculation_equals_int8_target_only(int8_stack, k: int) -> None:
+async def test_speculation_equals_target_only_of_the_same_quantized_target(quantized_stack, k: int) -> None:
     for prompt in PROMPTS[:4]:
-        expected, _, _ = await generate(int8_stack["same"].addr, prompt, max_new_tokens=32, num_draft_tokens=0,
+        expected, _, _ = await generate(quantized_stack["same"].addr, prompt, max_new_tokens=32, num_draft_tokens=0,
                                         ignore_eos=True)
         for draft in ("same", "unrelated"):
-            ids, _, responses = await generate(int8_stack[draft].addr, prompt, max_new_tokens=32,
+            ids, _, responses = await generate(quantized_stack[draft].addr, prompt, max_new_tokens=32,
                                                num_draft_tokens=k, ignore_eos=True)
             assert ids == expected, (draft, k, prompt)
             usage = responses[-1].usage

@@ -1,0 +1,122 @@
+"""The verifier's forward per numerics (int8, int4, optionally float32), through the engine's own ModelRunner: ms per
+forward of k new tokens after a 100-token context at 1 and 2 threads, and top-1 agreement with the float32 model
+(the GGUF file's own weights, dequantized) teacher-forced over workload text.
+
+    .venv/bin/python -m bench.quantized_forward --preset qwen2.5-coder-1.5b           # ~3 min, ~10 GB RAM
+    .venv/bin/python -m bench.quantized_forward --preset tiny-target --dtypes int8,int4 --agreement-tokens 0
+
+Prints a table and writes bench/results/quantized-forward-<preset>-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import DEFAULT_WORKLOAD, load_workload, log, split_csv
+from specmesh.config import EngineConfig
+from specmesh.engine.build import build_engine_parts
+from specmesh.engine.model_runner import ForwardItem, ModelRunner
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+CONTEXT = 100
+BLOCK = 16
+
+
+def forward_ms(runner: ModelRunner, context: list[int], k: int, reps: int) -> float:
+    """Median ms of one forward of k new tokens at position len(context) (the same slots rewritten each time)."""
+    table = list(range(-(-(len(context) + k) // BLOCK)))
+    runner.forward([ForwardItem(context, 0, table, 1)])
+    new = context[:k]
+    times = []
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        runner.forward([ForwardItem(new, len(context), table, k)])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) * 1e3
+
+
+def top1(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """argmax after every position of `ids`, one prefill."""
+    table = list(range(-(-len(ids) // BLOCK)))
+    return runner.forward([ForwardItem(ids, 0, table, len(ids))])[0].argmax(-1)
+
+
+def text_ids(tokenizer, num_tokens: int) -> list[int]:
+    ids: list[int] = []
+    for prompt in load_workload(DEFAULT_WORKLOAD):
+        ids.extend(tokenizer(prompt.prompt)["input_ids"])
+        if len(ids) >= num_tokens:
+            break
+    return ids[:num_tokens]
+
+
+def measure(preset: str, dtype: str, ks: list[int], threads: list[int], reps: int, ids: list[int]) -> dict:
+    parts = build_engine_parts(EngineConfig(model=preset, dtype=dtype, num_kv_blocks=64, block_size=BLOCK))
+    context = (ids * (1 + CONTEXT // max(1, len(ids))))[:CONTEXT] if ids else list(range(3, 3 + CONTEXT))
+    costs = {}
+    for t in threads:
+        torch.set_num_threads(t)
+        costs[t] = {k: forward_ms(parts.runner, context, k, reps) for k in ks}
+        log(f"{dtype} {t} thread(s): " + "  ".join(f"k={k} {ms:.1f} ms" for k, ms in costs[t].items()))
+    torch.set_num_threads(1)
+    argmax = top1(parts.runner, ids) if ids else None
+    return {"costs_ms": costs, "argmax": argmax}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="qwen2.5-coder-1.5b")
+    p.add_argument("--dtypes", default="int8,int4", help="comma list; float32 is added for the agreement column")
+    p.add_argument("--ks", default="1,2,4,5,8,16")
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--agreement-tokens", type=int, default=400, help="teacher-forced tokens compared (0 = skip)")
+    args = p.parse_args(argv)
+    dtypes = split_csv(args.dtypes)
+    ks, threads = [int(k) for k in split_csv(args.ks)], [int(t) for t in split_csv(args.threads)]
+    ids: list[int] = []
+    if args.agreement_tokens:
+        tokenizer = build_engine_parts(EngineConfig(model=args.preset, num_kv_blocks=2)).loaded.tokenizer
+        ids = text_ids(tokenizer, args.agreement_tokens)
+        if "float32" not in dtypes:
+            dtypes = [*dtypes, "float32"]
+        gc.collect()
+    results = {}
+    for dtype in dtypes:
+        results[dtype] = measure(args.preset, dtype, ks, threads if dtype != "float32" else [], args.reps, ids)
+        gc.collect()
+    reference = results.get("float32", {}).get("argmax")
+    report = {"preset": args.preset, "context": CONTEXT, "ks": ks, "threads": threads, "agreement_tokens": len(ids),
+              "dtypes": {}}
+    for dtype, r in results.items():
+        entry = {"costs_ms": r["costs_ms"]}
+        if reference is not None and dtype != "float32":
+            entry["top1_agreement_with_float32"] = float((r["argmax"] == reference).float().mean())
+        report["dtypes"][dtype] = entry
+    print_table(report)
+    RESULTS_DIR.mkdir(exist_ok=True)
+    out = RESULTS_DIR / f"quantized-forward-{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps(report, indent=2))
+    log(f"wrote {out}")
+    return 0
+
+
+def print_table(report: dict) -> None:
+    print(f"\n{report['preset']}: ms per forward of k new tokens after {report['context']} tokens")
+    print("dtype  threads  " + "  ".join(f"k={k:<5}" for k in report["ks"]) + "  top-1 vs float32")
+    for dtype, entry in report["dtypes"].items():
+        agree = entry.get("top1_agreement_with_float32")
+        for t, costs in entry["costs_ms"].items():
+            row = "  ".join(f"{costs[k]:7.1f}" for k in report["ks"])
+            print(f"{dtype:6} {t:7}  {row}  {'' if agree is None else f'{agree:.3f}'}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+/* Batch-invariant int4 x int8 matrix multiply for CPU inference (AVX2 + FMA + F16C), built by int4_kernel.py.
+
+Weights: w[o, 32g + j] = scale[o, g] * q[o, g, j] + min[o, g], q in 0..15, scale and min in fp16: 5 bits per weight.
+Activations (per row r): x[r] = row_scale[r] * xq[r], xq int8 in [-127, 127], row_scale = absmax / 127.
+
+    y[r, o] = row_scale[r] * sum_g ( scale[o, g] * isum[r, o, g] + min[o, g] * xsum[r, g] ) + bias[o]
+    isum[r, o, g] = sum_j xq[r, 32g + j] q[o, g, j]  (exact integers),   xsum[r, g] = sum_j xq[r, 32g + j]
+
+Layout (fbgemm-like, output channels in SIMD lanes): outputs come in tiles of 8 channels; for each tile and group,
+4 blocks of 32 bytes. Block s covers inputs 32g + 8s .. 32g + 8s + 7: byte 4c + i holds q[8t + c, 32g + 8s + i] in
+its low nibble and q[8t + c, 32g + 8s + 4 + i] in its high nibble (c = channel in the tile, i = 0..3). A 4-byte
+broadcast of activations times one unpacked block (maddubs) gives each channel's pair sums; 8 of them add up in
+int16 without overflow (8 * 2 * 15 * 127 = 30480 < 32767), so a group costs per row 8 maddubs + 8 adds, then one
+widening, one convert and two FMAs for 8 channels at once.
+
+Every y[r, o] is computed by the same instructions in the same order whatever the number of rows, the tile it falls
+in, or the range of output tiles a call covers: a token's result never depends on what shares its forward (so
+k-token verification gives bit-identical logits to one-token decoding) nor on how output tiles are split across
+threads. Built without -ffast-math: the compiler must not reassociate the float sums.
+*/
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#define GROUP 32
+#define LANES 8             /* output channels per tile */
+#define ROW_TILE 4          /* activation rows sharing one unpacked weight block */
+#define ROW_BLOCK 32        /* activation rows kept in cache while every output tile passes over them */
+
+/* x [m, k] float -> xq [m, k] int8, row_scale [m], xsum [m, k / 32] (as float: exact, |sum| <= 32 * 127). */
+void sm_quantize_rows(const float *x, int64_t m, int64_t k, int8_t *xq, float *row_scale, float *xsum) {
+    const int64_t groups = k / GROUP;
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * k;
+        float absmax = 0.0f;
+        for (int64_t i = 0; i < k; i++) {
+            float a = fabsf(xr[i]);
+            absmax = a > absmax ? a : absmax;
+        }
+        float inv = absmax > 0.0f ? 127.0f / absmax : 0.0f;
+        row_scale[r] = absmax > 0.0f ? absmax / 127.0f : 1.0f;
+        for (int64_t g = 0; g < groups; g++) {
+            int32_t sum = 0;
+            for (int64_t j = 0; j < GROUP; j++) {
+                int64_t i = g * GROUP + j;
+                float v = nearbyintf(xr[i] * inv);
+                v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+                xq[r * k + i] = (int8_t)v;
+                sum += (int32_t)v;
+            }
+            xsum[r * groups + g] = (float)sum;
+        }
+    }
+}
+
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    __builtin_memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* One output tile (8 channels) for `rows` activation rows from r0; a constant `rows` per call site keeps the
+   accumulators in registers. Each row's accumulators see the same instructions whatever `rows` is. */
+static inline __attribute__((always_inline)) void tile_rows(
+        int64_t tile, int64_t r0, const int rows, int64_t k, int64_t n, const int8_t *xq, const float *row_scale,
+        const float *xsum, const uint8_t *wq, const uint16_t *scales, const uint16_t *mins, const float *bias,
+        float *y) {
+    const int64_t groups = k / GROUP;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[ROW_TILE];
+    for (int t = 0; t < ROW_TILE; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t tg = tile * groups + g;
+        const uint8_t *blocks = wq + tg * 4 * 32;
+        __m256i isum[ROW_TILE];
+        for (int t = 0; t < ROW_TILE; t++) isum[t] = _mm256_setzero_si256();
+        for (int s = 0; s < 4; s++) {
+            const __m256i packed = _mm256_loadu_si256((const __m256i *)(blocks + s * 32));
+            const __m256i wa = _mm256_and_si256(packed, low);                        /* inputs 8s .. 8s+3 */
+            const __m256i wb = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);  /* inputs 8s+4 .. 8s+7 */
+            for (int t = 0; t < rows; t++) {
+                const int8_t *x = xq + (r0 + t) * k + g * GROUP + 8 * s;
+                isum[t] = _mm256_add_epi16(isum[t], _mm256_maddubs_epi16(wa, bcast4(x)));
+                isum[t] = _mm256_add_epi16(isum[t], _mm256_maddubs_epi16(wb, bcast4(x + 4)));
+            }
+        }
+        const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + tg * LANES)));
+        const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + tg * LANES)));
+        for (int t = 0; t < rows; t++) {
+            const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[t], ones));    /* 8 channels */
+            acc[t] = _mm256_fmadd_ps(dots, sc, acc[t]);
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[(r0 + t) * groups + g]), mn, acc[t]);
+        }
+    }
+    const __m256 b = bias ? _mm256_loadu_ps(bias + tile * LANES) : _mm256_setzero_ps();
+    for (int t = 0; t < rows; t++)
+        _mm256_storeu_ps(y + (r0 + t) * n + tile * LANES,
+                         _mm256_fmadd_ps(acc[t], _mm256_set1_ps(row_scale[r0 + t]), b));
+}
+
+/* y [m, n] for output tiles [tile_begin, tile_end) (n a multiple of 8, k of 32). */
+void sm_int4_matmul(const int8_t *xq, const float *row_scale, const float *xsum, int64_t m, int64_t k,
+                    const uint8_t *wq, const uint16_t *scales, const uint16_t *mins, const float *bias, int64_t n,
+                    int64_t tile_begin, int64_t tile_end, float *y) {
+    for (int64_t rb = 0; rb < m; rb += ROW_BLOCK) {
+        const int64_t re = rb + ROW_BLOCK < m ? rb + ROW_BLOCK : m;
+        for (int64_t tile = tile_begin; tile < tile_end; tile++) {
+            for (int64_t r0 = rb; r0 < re; r0 += ROW_TILE) {
+#define ROWS(R) tile_rows(tile, r0, R, k, n, xq, row_scale, xsum, wq, scales, mins, bias, y)
+                switch (re - r0 < ROW_TILE ? re - r0 : ROW_TILE) {
+                    case 1: ROWS(1); break;
+                    case 2: ROWS(2); break;
+                    case 3: ROWS(3); break;
+                    default: ROWS(4); break;
+                }
+#undef ROWS
+            }
+        }
+    }
+}
+
+int sm_cpu_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}

@@ -1,0 +1,81 @@
+"""Builds and loads the int4 x int8 AVX2 kernel (`int4_kernel.c`) with the system C compiler, once per source version.
+
+The shared library lands in `<cache dir>/kernels/int4-<hash>.so` ($SPECMESH_CACHE_DIR or ~/.cache/specmesh) and is
+called through ctypes, which releases the GIL during the call: output-row ranges run on a thread pool in parallel,
+and each output element is computed the same way whatever the split (see the C file).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("int4_kernel.c")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-fno-fast-math", "-std=c11")
+GROUP = 32          # inputs per scale and minimum
+LANES = 8           # output channels per tile
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+class KernelUnavailable(RuntimeError):
+    """No C compiler, or a CPU without AVX2/FMA/F16C."""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SPECMESH_CACHE_DIR") or str(Path.home() / ".cache" / "specmesh")
+    return Path(root) / "kernels"
+
+
+def _compile(target: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not compiler:
+        raise KernelUnavailable("dtype int4 needs a C compiler (gcc or $CC) to build its kernel once")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:        # build beside, then rename: atomic
+        out = Path(tmp) / target.name
+        proc = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise KernelUnavailable(f"building the int4 kernel failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(out, target)
+    log.info("built the int4 kernel: %s", target)
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The loaded kernel, built on first use. Raises KernelUnavailable with the reason."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"int4-{digest}.so"
+    if not path.is_file():
+        _compile(path)
+    lib = ctypes.CDLL(str(path))
+    lib.sm_cpu_supported.restype = ctypes.c_int
+    if not lib.sm_cpu_supported():
+        raise KernelUnavailable("dtype int4 needs a CPU with AVX2, FMA and F16C")
+    lib.sm_quantize_rows.argtypes = [_P, _I, _I, _P, _P, _P]
+    lib.sm_quantize_rows.restype = None
+    lib.sm_int4_matmul.argtypes = [_P, _P, _P, _I, _I, _P, _P, _P, _P, _I, _I, _I, _P]
+    lib.sm_int4_matmul.restype = None
+    return lib
+
+
+@functools.cache
+def pool(num_threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=num_threads - 1, thread_name_prefix="int4")
+
+
+def split(num_tiles: int, parts: int) -> list[tuple[int, int]]:
+    """[0, num_tiles) in at most `parts` contiguous, nearly equal ranges."""
+    per = -(-num_tiles // parts)
+    return [(i * per, min(num_tiles, (i + 1) * per)) for i in range(parts) if i * per < num_tiles]

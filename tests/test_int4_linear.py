@@ -1,0 +1,86 @@
+"""The int4 kernel (specmesh/engine/int4_kernel.c): exact against a float64 reference of the same quantized numbers,
+bit-identical whatever shares the forward or how many threads run it, and its quantization grid."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from specmesh.engine.int4_linear import Int4GroupLinear, dequantize_weight, quantize_weight
+
+SHAPES = [(64, 64), (8960 // 8, 1536), (70, 40), (256, 96)]     # (out, in); odd ones are padded
+
+
+def linear(out_features: int, in_features: int, seed: int = 0, bias: bool = True) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+def reference(layer: Int4GroupLinear, lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """float64: per-row int8 activations (absmax / 127, round half to even) times the dequantized int4 weights."""
+    absmax = x.abs().amax(-1, keepdim=True)
+    xq = torch.round(x * (127.0 / absmax)).clamp(-127, 127)
+    w = dequantize_weight(layer.packed, layer.scales, layer.mins)[:lin.out_features, :lin.in_features].double()
+    y = (xq.double() @ w.t()) * (absmax.double() / 127.0)
+    return y + lin.bias.double() if lin.bias is not None else y
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_kernel_matches_the_float64_reference(out_features: int, in_features: int) -> None:
+    lin = linear(out_features, in_features)
+    layer = Int4GroupLinear(lin)
+    x = torch.randn(9, in_features)
+    y = layer(x)
+    assert y.shape == (9, out_features)
+    torch.testing.assert_close(y.double(), reference(layer, lin, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_a_row_is_bit_identical_alone_in_any_batch_and_at_any_thread_count(out_features: int,
+                                                                           in_features: int) -> None:
+    layer = Int4GroupLinear(linear(out_features, in_features, seed=1))
+    x = torch.randn(37, in_features) * torch.linspace(0.1, 30.0, 37)[:, None]   # very different row scales
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        together = layer(x)
+        for m in (1, 2, 3, 4, 5, 8, 33):              # every row tile size and a partial row block
+            assert torch.equal(layer(x[:m]), together[:m]), m
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+        assert torch.equal(alone, together)
+        torch.set_num_threads(2)
+        assert torch.equal(layer(x), together)        # output tiles split across two threads
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_weights_on_the_grid_round_trip_exactly() -> None:
+    """A group of 16-level affine weights (what Q4_K GGUF sub-blocks hold) is stored without loss."""
+    torch.manual_seed(2)
+    n, k = 16, 128
+    q = torch.randint(0, 16, (n, k // 32, 32))
+    q[..., 0], q[..., 1] = 0, 15                      # each group uses its whole range
+    scales = (torch.rand(n, k // 32, 1) * 0.01 + 0.001).half().float()
+    mins = (-torch.rand(n, k // 32, 1) * 0.05).half().float()
+    weight = (q * scales + mins).reshape(n, k)
+    restored = dequantize_weight(*quantize_weight(weight))
+    torch.testing.assert_close(restored, weight, rtol=0, atol=2e-6)
+
+
+def test_quantization_error_is_within_half_a_step() -> None:
+    weight = torch.randn(32, 256)
+    packed, scales, mins = quantize_weight(weight)
+    restored = dequantize_weight(packed, scales, mins)
+    step = scales.transpose(1, 2).reshape(32, 8, 1).float().expand(32, 8, 32).reshape(32, 256)
+    assert ((restored - weight).abs() <= step / 2 + 2e-3 * step + 1e-6).all()
+
+
+def test_no_bias_and_zero_rows() -> None:
+    lin = linear(64, 64, bias=False)
+    layer = Int4GroupLinear(lin)
+    x = torch.randn(3, 64)
+    x[1] = 0.0
+    y = layer(x)
+    assert torch.equal(y[1], torch.zeros(64))
+    torch.testing.assert_close(y[[0, 2]].double(), reference(layer, lin, x[[0, 2]]), rtol=1e-5, atol=1e-5)
