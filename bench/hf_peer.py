@@ -16,7 +16,7 @@ HF_MODES = ("target", "draft", "assisted", "lookup")
 
 
 def hf_phase(args: argparse.Namespace, prompts: dict[int, list[Prompt]], dtype: str) -> list[dict[str, Any]]:
-    """transformers' generate() in this process on the same models (and int8 linears if dtype is int8), at each
+    """transformers' generate() in this process on the same models (and the same int8 / int4 linears), at each
     of --hf-threads; the draft alone (for c) only at the shortest length."""
     modes = split_csv(args.hf_modes)
     if not modes:
@@ -24,15 +24,15 @@ def hf_phase(args: argparse.Namespace, prompts: dict[int, list[Prompt]], dtype: 
     import torch
 
     from bench import compare_hf
-    from specmesh.engine.int8_linear import quantize_linears
+    from specmesh.engine.build import QUANTIZERS
     from specmesh.models import load_model
 
     warnings.filterwarnings("ignore")
     target_ref, draft_ref = PRESETS[args.preset]
     target, draft = load_model(target_ref), load_model(draft_ref)
-    if dtype == "int8":
-        quantize_linears(target.model)
-        quantize_linears(draft.model)
+    if dtype in QUANTIZERS:
+        QUANTIZERS[dtype][0](target.model)
+        QUANTIZERS[dtype][0](draft.model)
     knobs = argparse.Namespace(assistant_tokens=0, prompt_lookup_tokens=10)
     shortest = min(prompts)
     runs = []

@@ -21,6 +21,8 @@ threads. Built without -ffast-math: the compiler must not reassociate the float 
 
 #include <immintrin.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 
 #define GROUP 32
@@ -119,6 +121,108 @@ void sm_int4_matmul(const int8_t *xq, const float *row_scale, const float *xsum,
             }
         }
     }
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+   A small persistent thread pool for sm_int4_matmul_mt: output tiles split in contiguous ranges, one per thread.
+   Workers spin briefly for the next job (the next layer's matmul usually follows within tens of microseconds), then
+   sleep on a condition variable. One caller at a time: a second concurrent caller runs on its own thread. */
+
+#define MAX_THREADS 64
+#define SPIN_ITERS 20000         /* ~0.1-1 ms of pause instructions before sleeping */
+
+typedef struct {
+    const int8_t *xq; const float *row_scale; const float *xsum; int64_t m, k;
+    const uint8_t *wq; const uint16_t *scales; const uint16_t *mins; const float *bias; int64_t n;
+    int64_t tile_begin, tiles_per_thread, tile_end; float *y;
+} job_t;
+
+static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER;      /* held by the caller driving the pool */
+static pthread_mutex_t wake_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
+static job_t current;
+static atomic_ullong generation;
+static atomic_int pending;
+static int num_workers;          /* started so far; each serves every job with index < the job's thread count */
+static atomic_int job_threads;
+static unsigned long long start_generation[MAX_THREADS];   /* the generation before a worker's first job */
+
+static void run_slice(const job_t *j, int index) {
+    const int64_t b = j->tile_begin + index * j->tiles_per_thread;
+    int64_t e = b + j->tiles_per_thread;
+    if (e > j->tile_end) e = j->tile_end;
+    if (b < e)
+        sm_int4_matmul(j->xq, j->row_scale, j->xsum, j->m, j->k, j->wq, j->scales, j->mins, j->bias, j->n, b, e,
+                       j->y);
+}
+
+static void *worker(void *arg) {
+    const int index = (int)(intptr_t)arg;           /* 1 .. num_workers; the caller is 0 */
+    unsigned long long seen = start_generation[index];
+    for (;;) {
+        unsigned long long now;
+        int spins = 0;
+        while ((now = atomic_load_explicit(&generation, memory_order_acquire)) == seen && spins < SPIN_ITERS) {
+            _mm_pause();
+            spins++;
+        }
+        if (now == seen) {
+            pthread_mutex_lock(&wake_lock);
+            while ((now = atomic_load_explicit(&generation, memory_order_acquire)) == seen)
+                pthread_cond_wait(&wake, &wake_lock);
+            pthread_mutex_unlock(&wake_lock);
+        }
+        seen = now;
+        if (index < atomic_load(&job_threads)) {
+            run_slice(&current, index);
+            atomic_fetch_sub_explicit(&pending, 1, memory_order_acq_rel);
+        }
+    }
+    return NULL;
+}
+
+/* A forked child has none of the parent's workers: start afresh. */
+static void reset_after_fork(void) {
+    num_workers = 0;
+    pthread_mutex_init(&pool_busy, NULL);
+    pthread_mutex_init(&wake_lock, NULL);
+    pthread_cond_init(&wake, NULL);
+}
+
+static pthread_once_t fork_handler_once = PTHREAD_ONCE_INIT;
+static void install_fork_handler(void) { pthread_atfork(NULL, NULL, reset_after_fork); }
+
+/* sm_int4_matmul over output tiles [tile_begin, tile_end) on `threads` threads (the caller included). */
+void sm_int4_matmul_mt(const int8_t *xq, const float *row_scale, const float *xsum, int64_t m, int64_t k,
+                       const uint8_t *wq, const uint16_t *scales, const uint16_t *mins, const float *bias, int64_t n,
+                       int64_t tile_begin, int64_t tile_end, float *y, int threads) {
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    pthread_once(&fork_handler_once, install_fork_handler);
+    if (threads <= 1 || pthread_mutex_trylock(&pool_busy) != 0) {
+        sm_int4_matmul(xq, row_scale, xsum, m, k, wq, scales, mins, bias, n, tile_begin, tile_end, y);
+        return;
+    }
+    while (num_workers < threads - 1) {
+        pthread_t t;
+        start_generation[num_workers + 1] = atomic_load(&generation);
+        if (pthread_create(&t, NULL, worker, (void *)(intptr_t)(num_workers + 1)) != 0) break;
+        pthread_detach(t);
+        num_workers++;
+    }
+    if (threads > num_workers + 1) threads = num_workers + 1;
+    const int64_t tiles = tile_end - tile_begin;
+    job_t j = {xq, row_scale, xsum, m, k, wq, scales, mins, bias, n, tile_begin, (tiles + threads - 1) / threads,
+               tile_end, y};
+    current = j;
+    atomic_store(&job_threads, threads);
+    atomic_store(&pending, threads - 1);
+    pthread_mutex_lock(&wake_lock);
+    atomic_fetch_add_explicit(&generation, 1, memory_order_release);
+    pthread_cond_broadcast(&wake);
+    pthread_mutex_unlock(&wake_lock);
+    run_slice(&j, 0);
+    while (atomic_load_explicit(&pending, memory_order_acquire) > 0) _mm_pause();
+    pthread_mutex_unlock(&pool_busy);
 }
 
 int sm_cpu_supported(void) {

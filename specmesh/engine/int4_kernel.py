@@ -1,8 +1,9 @@
 """Builds and loads the int4 x int8 AVX2 kernel (`int4_kernel.c`) with the system C compiler, once per source version.
 
 The shared library lands in `<cache dir>/kernels/int4-<hash>.so` ($SPECMESH_CACHE_DIR or ~/.cache/specmesh) and is
-called through ctypes, which releases the GIL during the call: output-row ranges run on a thread pool in parallel,
-and each output element is computed the same way whatever the split (see the C file).
+called through ctypes, which releases the GIL during the call. With more than one torch thread the output tiles
+are split across the kernel's own small thread pool; each output element is computed the same way whatever the
+split (see the C file).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -52,14 +52,19 @@ def _compile(target: Path) -> None:
     log.info("built the int4 kernel: %s", target)
 
 
-@functools.cache
-def library() -> ctypes.CDLL:
-    """The loaded kernel, built on first use. Raises KernelUnavailable with the reason."""
+def library_path() -> Path:
+    """The shared library for this source and these flags, compiled first if missing."""
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
     path = _cache_dir() / f"int4-{digest}.so"
     if not path.is_file():
         _compile(path)
-    lib = ctypes.CDLL(str(path))
+    return path
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The loaded kernel, built on first use. Raises KernelUnavailable with the reason."""
+    lib = ctypes.CDLL(str(library_path()))
     lib.sm_cpu_supported.restype = ctypes.c_int
     if not lib.sm_cpu_supported():
         raise KernelUnavailable("dtype int4 needs a CPU with AVX2, FMA and F16C")
@@ -67,15 +72,10 @@ def library() -> ctypes.CDLL:
     lib.sm_quantize_rows.restype = None
     lib.sm_int4_matmul.argtypes = [_P, _P, _P, _I, _I, _P, _P, _P, _P, _I, _I, _I, _P]
     lib.sm_int4_matmul.restype = None
+    lib.sm_int4_matmul_mt.argtypes = [_P, _P, _P, _I, _I, _P, _P, _P, _P, _I, _I, _I, _P, ctypes.c_int]
+    lib.sm_int4_matmul_mt.restype = None
     return lib
 
 
-@functools.cache
-def pool(num_threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=num_threads - 1, thread_name_prefix="int4")
-
-
-def split(num_tiles: int, parts: int) -> list[tuple[int, int]]:
-    """[0, num_tiles) in at most `parts` contiguous, nearly equal ranges."""
-    per = -(-num_tiles // parts)
-    return [(i * per, min(num_tiles, (i + 1) * per)) for i in range(parts) if i * per < num_tiles]
+if __name__ == "__main__":          # build ahead of time (e.g. in an image that will have no compiler)
+    print(library_path())

@@ -13,7 +13,9 @@ is in `int4_kernel.c`).
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -21,7 +23,22 @@ from torch import nn
 from specmesh.engine import int4_kernel
 from specmesh.engine.int4_kernel import GROUP, LANES
 
-PARALLEL_MIN_OUT = 256          # fewer output rows than this: one thread (the pool's hand-off costs more)
+_threads = threading.local()     # this thread's kernel thread count (kernel_threads); unset = torch's
+
+
+@contextmanager
+def kernel_threads(num_threads: int) -> Iterator[None]:
+    """The int4 kernels called from this thread use `num_threads` threads of their own pool meanwhile (the runner
+    puts torch on one thread so that two pools do not spin against each other on the same cores)."""
+    previous = getattr(_threads, "num", None)
+    _threads.num = num_threads
+    try:
+        yield
+    finally:
+        _threads.num = previous
+
+
+PARALLEL_MIN_OUT = 256          # fewer output rows than this: one thread (the hand-off costs more)
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -92,20 +109,10 @@ class Int4GroupLinear(nn.Module):
         m, k = xq.shape
         n = self.padded_out
         bias = self.bias.data_ptr() if self.bias is not None else None
-        args = (xq.data_ptr(), row_scale.data_ptr(), xsum.data_ptr(), m, k, self.packed.data_ptr(),
-                self.scales.data_ptr(), self.mins.data_ptr(), bias, n)
-        threads = torch.get_num_threads()
-        num_tiles = n // LANES
-        if threads == 1 or n < PARALLEL_MIN_OUT:
-            self.lib.sm_int4_matmul(*args, 0, num_tiles, y.data_ptr())
-            return
-        first, *rest = int4_kernel.split(num_tiles, threads)
-        pool = int4_kernel.pool(threads)
-        futures: list[Future[None]] = [pool.submit(self.lib.sm_int4_matmul, *args, b, e, y.data_ptr())
-                                       for b, e in rest]
-        self.lib.sm_int4_matmul(*args, *first, y.data_ptr())
-        for future in futures:
-            future.result()
+        threads = (getattr(_threads, "num", None) or torch.get_num_threads()) if n >= PARALLEL_MIN_OUT else 1
+        self.lib.sm_int4_matmul_mt(xq.data_ptr(), row_scale.data_ptr(), xsum.data_ptr(), m, k, self.packed.data_ptr(),
+                                   self.scales.data_ptr(), self.mins.data_ptr(), bias, n, 0, n // LANES,
+                                   y.data_ptr(), threads)
 
 
 def quantize_linears_int4(model: nn.Module) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from specmesh.engine.int4_linear import Int4GroupLinear, kernel_threads
 from specmesh.engine.paged_attention import ATTN_IMPLEMENTATION, PagedBatch, PagedKVCache, SeqSlice
 from specmesh.tree import block_layout
 
@@ -46,14 +47,29 @@ class ModelRunner:
         num_layers, num_kv_heads, head_dim = kv_cache_geometry(model)
         dtype = kv_dtype or next(model.parameters()).dtype
         self.cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype)
+        # int4 linears run on their own thread pool: torch's ops then stay on one thread (see forward_flat)
+        self.own_kernel_threads = any(isinstance(m, Int4GroupLinear) for m in model.modules())
 
     def forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
         """Returns, per item, float32 logits [num_logits, vocab] (an empty [0, vocab] tensor when none wanted)."""
         return list(torch.split(self.forward_flat(items), [item.num_logits for item in items]))
 
-    @torch.inference_mode()
     def forward_flat(self, items: Sequence[ForwardItem]) -> torch.Tensor:
-        """float32 logits [sum of num_logits, vocab]: every item's rows back to back, in item order."""
+        """float32 logits [sum of num_logits, vocab]: every item's rows back to back, in item order. The thread
+        budget is torch's thread count; with int4 linears it goes to their kernels, and torch's own (small) ops run
+        on one thread meanwhile, so that the two thread pools do not spin against each other."""
+        threads = torch.get_num_threads()
+        if not self.own_kernel_threads or threads == 1:
+            return self._forward_flat(items)
+        torch.set_num_threads(1)
+        try:
+            with kernel_threads(threads):
+                return self._forward_flat(items)
+        finally:
+            torch.set_num_threads(threads)
+
+    @torch.inference_mode()
+    def _forward_flat(self, items: Sequence[ForwardItem]) -> torch.Tensor:
         bs = self.cache.block_size
         input_ids: list[int] = []
         position_ids: list[int] = []
