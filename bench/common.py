@@ -28,7 +28,7 @@ from specmesh.launcher import PRESETS, Stack, StackConfig
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_WORKLOAD = "../shared/bench/workload.jsonl"  # relative to the repository root
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
-BENCH_PORT_RANGE = (56000, 64000)
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
 REQUEST_TIMEOUT_S = 3600.0
 
 
@@ -122,9 +122,22 @@ def _ports_free(base: int, count: int) -> bool:
     return True
 
 
+def bench_port_range() -> tuple[int, int]:
+    """Ports for benchmark services: outside the kernel's ephemeral range, where the stack's own outgoing connections
+    could take a port between its check and its bind (a gateway failed to bind that way), and away from the service
+    defaults (50051-50062)."""
+    try:
+        eph_low, eph_high = (int(v) for v in EPHEMERAL_PORTS.read_text().split())
+    except (OSError, ValueError):
+        eph_low, eph_high = 32768, 60999
+    if 65535 - eph_high >= 1000:
+        return eph_high + 1, 65535
+    return 20000, min(eph_low, 32000)
+
+
 def free_port_block(count: int = 3) -> int:
     """First of `count` consecutive free ports in the bench range (never the service defaults)."""
-    low, high = BENCH_PORT_RANGE
+    low, high = bench_port_range()
     for _ in range(200):
         base = random.randrange(low, high - count)
         if _ports_free(base, count):

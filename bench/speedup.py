@@ -110,7 +110,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--hf-limit", type=int, default=0,
                    help="prompts per category of the transformers peer (0 = as the stack arms)")
     p.add_argument("--peer-lengths", default="", help="lengths the peers run at ('' = all of --lengths)")
-    p.add_argument("--hf-dtype", default="", help="float32, int8 or int4 (default: the verifier's SPECMESH_VERIFIER_DTYPE)")
+    p.add_argument("--hf-dtype", default="",
+                   help="float32, int8 or int4 (default: the verifier's SPECMESH_VERIFIER_DTYPE)")
     p.add_argument("--llamacpp", default="auto", help="llama-server binary, 'auto' (bench/llamacpp_peer.py's "
                                                       "default locations) or 'off'")
     p.add_argument("--llamacpp-draft-max", type=int, default=0, help="--spec-draft-n-max (0 = llama.cpp default)")

@@ -1,5 +1,5 @@
 """Tree verification in the model runner: one forward over [root, nodes...] with an ancestor mask gives every node
-the logits of decoding its path alone (int8 batch-invariant numerics: bit-identical; float32: within 1e-5), and
+the logits of decoding its path alone (int8 / int4 batch-invariant numerics: bit-identical; float32: within 1e-5), and
 after `move_kv` puts the accepted path's KV at contiguous positions, decoding continues as if the path had been
 decoded token by token."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specmesh.engine.int8_linear import quantize_linears
+from specmesh.engine.build import QUANTIZERS
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
 from specmesh.models import resolve_model_dir
 from specmesh.tree import path_to
@@ -28,12 +28,12 @@ TABLE = list(range(64))            # the identity: slot == position
 PARENTS = [-1, -1, 0, 0, 1, -1, 2, 6, 6, 3, -1, 10, 11, 12, 4, 4]
 
 
-@pytest.fixture(scope="module", params=["float32", "int8"])
+@pytest.fixture(scope="module", params=["float32", "int8", "int4"])
 def model(request: pytest.FixtureRequest) -> tuple[torch.nn.Module, bool]:
     model = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir("tiny-target")), dtype=torch.float32)
-    if request.param == "int8":
-        quantize_linears(model)
-    return model, request.param == "int8"
+    if request.param in QUANTIZERS:
+        QUANTIZERS[request.param][0](model)
+    return model, request.param in QUANTIZERS
 
 
 def _runner(model: tuple[torch.nn.Module, bool]) -> ModelRunner:

@@ -31,7 +31,7 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(str(resolve_model_dir("tiny-target")))
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session", params=["float32", "int8"])
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=["float32", "int8", "int4"])
 async def verifier(request: pytest.FixtureRequest):
     running = await start_verifier(dtype=request.param, block_size=4, max_model_len=256)
     async with grpc.aio.insecure_channel(running.addr) as channel:
@@ -68,7 +68,7 @@ class Session:
 
 async def expected_output(stub: verifier_pb2_grpc.VerifierStub, dtype: str, prompt_ids: list[int],
                           n: int) -> list[int]:
-    """Target-only greedy: transformers for float32, the same verifier without drafts for int8."""
+    """Target-only greedy: transformers for float32, the same verifier without drafts for int8 / int4."""
     if dtype == "float32":
         return reference_greedy(prompt_ids, n)
     session = Session(stub, prompt_ids)

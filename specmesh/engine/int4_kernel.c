@@ -28,6 +28,7 @@ threads. Built without -ffast-math: the compiler must not reassociate the float 
 #define GROUP 32
 #define LANES 8             /* output channels per tile */
 #define ROW_TILE 4          /* activation rows sharing one unpacked weight block */
+#define PREFETCH_BYTES 2048 /* weights read this far ahead (16 groups) */
 #define ROW_BLOCK 32        /* activation rows kept in cache while every output tile passes over them */
 
 /* x [m, k] float -> xq [m, k] int8, row_scale [m], xsum [m, k / 32] (as float: exact, |sum| <= 32 * 127). */
@@ -71,11 +72,13 @@ static inline __attribute__((always_inline)) void tile_rows(
     const int64_t groups = k / GROUP;
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[ROW_TILE];
-    for (int t = 0; t < ROW_TILE; t++) acc[t] = _mm256_setzero_ps();
+    __m256 acc[ROW_TILE], acc_min[ROW_TILE];       /* two independent FMA chains per row */
+    for (int t = 0; t < ROW_TILE; t++) acc[t] = acc_min[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const int64_t tg = tile * groups + g;
         const uint8_t *blocks = wq + tg * 4 * 32;
+        _mm_prefetch((const char *)(blocks + PREFETCH_BYTES), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blocks + PREFETCH_BYTES + 64), _MM_HINT_T0);
         __m256i isum[ROW_TILE];
         for (int t = 0; t < ROW_TILE; t++) isum[t] = _mm256_setzero_si256();
         for (int s = 0; s < 4; s++) {
@@ -93,13 +96,13 @@ static inline __attribute__((always_inline)) void tile_rows(
         for (int t = 0; t < rows; t++) {
             const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[t], ones));    /* 8 channels */
             acc[t] = _mm256_fmadd_ps(dots, sc, acc[t]);
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[(r0 + t) * groups + g]), mn, acc[t]);
+            acc_min[t] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[(r0 + t) * groups + g]), mn, acc_min[t]);
         }
     }
     const __m256 b = bias ? _mm256_loadu_ps(bias + tile * LANES) : _mm256_setzero_ps();
     for (int t = 0; t < rows; t++)
         _mm256_storeu_ps(y + (r0 + t) * n + tile * LANES,
-                         _mm256_fmadd_ps(acc[t], _mm256_set1_ps(row_scale[r0 + t]), b));
+                         _mm256_fmadd_ps(_mm256_add_ps(acc[t], acc_min[t]), _mm256_set1_ps(row_scale[r0 + t]), b));
 }
 
 /* y [m, n] for output tiles [tile_begin, tile_end) (n a multiple of 8, k of 32). */
