@@ -38,7 +38,7 @@ class TlsConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "tiny-target"         # HF directory, .gguf file, or a preset (see `specmesh models list`)
-    dtype: str = "float32"             # float32 keeps greedy speculation exact (see README: numerics)
+    dtype: str = "float32"             # float32, int8 or int4: each keeps greedy speculation exact (README: numerics)
     num_threads: int = 1               # torch threads for this service
     num_threads_max: int = 0           # > num_threads: steps of >= max_threads_min_tokens tokens use this many threads
     max_threads_min_tokens: int = 8    # 1 = every step (a verifier sharing its host with an idle draft service)

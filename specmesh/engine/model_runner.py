@@ -39,7 +39,7 @@ class ModelRunner:
     def __init__(self, model: PreTrainedModel, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype | None = None, batch_invariant: bool = False) -> None:
         """batch_invariant: attention one query row at a time over its own block-padded context, so a token's
-        numbers never depend on how many tokens share the forward (needed with int8 per-token linears for exact
+        numbers never depend on how many tokens share the forward (needed with int8 / int4 per-token linears for exact
         greedy speculation)."""
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model.eval()

@@ -9,10 +9,10 @@ by every layer.
 Two ways to attend:
 
 * batched (float models): one masked SDPA call over the whole batch, queries and keys padded to the longest.
-* rowwise (batch-invariant, int8 models): every new token is its own 1-query SDPA row over its own context padded
-  to `L = ceil(context / bucket) * bucket` keys (bucket: 64 tokens rounded up to whole blocks). A one-token decode
-  runs the same row, so a token's numbers are bit-identical whether it is verified in a block of k, decoded alone,
-  or shares the forward with other sequences (SDPA's output for a 1-query row depends only on that row's keys and
+* rowwise (batch-invariant, int8 and int4 models): every new token is its own 1-query SDPA row over its own context
+  padded to `L = ceil(context / bucket) * bucket` keys (bucket: 64 tokens rounded up to whole blocks). A one-token
+  decode runs the same row, so a token's numbers are bit-identical whether it is verified in a block of k, decoded
+  alone, or shares the forward with other sequences (SDPA's output for a 1-query row depends only on that row's keys and
   key length, checked in tests/test_batched_attention.py). The rows of one sequence that share a key length run in
   one call over that sequence's keys (expanded, not copied).
 
