@@ -51,13 +51,14 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     step = scales.float().unsqueeze(-1)
     q = torch.where(step > 0, (groups - mins.float().unsqueeze(-1)) / step.clamp_min(1e-30), 0.0)
     q = q.round().clamp(0, 15).to(torch.uint8)                                   # [n, G, 32]
-    # [tile, lane, G, block s, half h, i] -> [tile, G, s, h, lane, i]: byte 4*lane + i of block s holds input
+    # [tile, lane, G, block s, half h, i] -> [tile, G, s, h, 4 * lane + i]: byte 4 * lane + i of block s holds input
     # 8s + i (h = 0) in its low nibble and 8s + 4 + i (h = 1) in its high nibble.
-    q = q.reshape(n // LANES, LANES, k // GROUP, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
-    packed = q[:, :, :, 0].reshape(n // LANES, k // GROUP, 4, 32) | (q[:, :, :, 1].reshape(
-        n // LANES, k // GROUP, 4, 32) << 4)
+    tiles, num_groups = n // LANES, k // GROUP
+    halves = q.reshape(tiles, LANES, num_groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5).reshape(tiles, num_groups, 4, 2, 32)
+    packed = halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)
+
     def lanes(t: torch.Tensor) -> torch.Tensor:                                   # [n, G] -> [n/8, G, 8]
-        return t.reshape(n // LANES, LANES, k // GROUP).transpose(1, 2).contiguous()
+        return t.reshape(tiles, LANES, num_groups).transpose(1, 2).contiguous()
     return packed.contiguous(), lanes(scales), lanes(mins)
 
 
