@@ -22,6 +22,7 @@ from torch import nn
 
 from specmesh.engine import int4_kernel
 from specmesh.engine.int4_kernel import GROUP, LANES
+from specmesh.engine.int8_linear import replace_linears
 
 _threads = threading.local()     # this thread's kernel thread count (kernel_threads); unset = torch's
 
@@ -117,11 +118,5 @@ class Int4GroupLinear(nn.Module):
 
 
 def quantize_linears_int4(model: nn.Module) -> int:
-    """Replaces every nn.Linear in the model (lm_head included) in place; returns how many were replaced."""
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, Int4GroupLinear(child))
-                count += 1
-    return count
+    """Every nn.Linear (lm_head included) becomes an Int4GroupLinear; returns how many were replaced."""
+    return replace_linears(model, Int4GroupLinear)

@@ -14,6 +14,8 @@ saturate.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -43,15 +45,20 @@ class Int8PerTokenLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
-def quantize_linears(model: nn.Module) -> int:
-    """Replaces every nn.Linear in the model (lm_head included) in place; returns how many were replaced."""
+def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Replaces every nn.Linear in the model (lm_head included) in place by make(linear); returns how many."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8PerTokenLinear(child))
+                setattr(parent, name, make(child))
                 count += 1
     return count
+
+
+def quantize_linears(model: nn.Module) -> int:
+    """Every nn.Linear (lm_head included) becomes an Int8PerTokenLinear; returns how many were replaced."""
+    return replace_linears(model, Int8PerTokenLinear)
 
 
 class Int8RowwiseIntMM(nn.Module):
