@@ -2,7 +2,7 @@
 forward of k new tokens after a 100-token context at 1 and 2 threads, and top-1 agreement with the float32 model
 (the GGUF file's own weights, dequantized) teacher-forced over workload text.
 
-    .venv/bin/python -m bench.quantized_forward --preset qwen2.5-coder-1.5b           # ~3 min, ~10 GB RAM
+    .venv/bin/python -m bench.quantized_forward --preset qwen2.5-coder-1.5b           # ~4 min, ~8 GB RAM
     .venv/bin/python -m bench.quantized_forward --preset tiny-target --dtypes int8,int4 --agreement-tokens 0
 
 Prints a table and writes bench/results/quantized-forward-<preset>-<time>.json.
@@ -18,11 +18,13 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
 from bench.common import DEFAULT_WORKLOAD, load_workload, log, split_csv
 from specmesh.config import EngineConfig
 from specmesh.engine.build import build_engine_parts
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
+from specmesh.models import resolve_model_dir
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 CONTEXT = 100
@@ -83,11 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     ks, threads = [int(k) for k in split_csv(args.ks)], [int(t) for t in split_csv(args.threads)]
     ids: list[int] = []
     if args.agreement_tokens:
-        tokenizer = build_engine_parts(EngineConfig(model=args.preset, num_kv_blocks=2)).loaded.tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(args.preset)))   # no model load for it
         ids = text_ids(tokenizer, args.agreement_tokens)
         if "float32" not in dtypes:
             dtypes = [*dtypes, "float32"]
-        gc.collect()
     results = {}
     for dtype in dtypes:
         results[dtype] = measure(args.preset, dtype, ks, threads if dtype != "float32" else [], args.reps, ids)
