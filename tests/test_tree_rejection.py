@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
+from zlib import crc32
 
 import pytest
 import torch
@@ -36,15 +37,20 @@ TreeSampler = Callable[[torch.Tensor, Sequence[int], Sequence[int], Sequence[Spa
                        tuple[list[int], int]]
 
 
+def stable_seed(*key: object) -> int:
+    """A seed fixed across processes (hash() of a str is salted per process by PYTHONHASHSEED)."""
+    return crc32(repr(key).encode())
+
+
 @cache
 def target_p(path: tuple[int, ...]) -> torch.Tensor:
-    logits = torch.randn(V, generator=torch.Generator().manual_seed(hash(("p", path)) % 2**31)) * 1.2
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(stable_seed("p", path))) * 1.2
     return logits_to_probs(logits[None], PARAMS)[0].to(torch.float64)
 
 
 @cache
 def draft_q(path: tuple[int, ...], variant: int) -> SparseDist:
-    logits = torch.randn(V, generator=torch.Generator().manual_seed(hash(("q", path, variant)) % 2**31)) * 1.2
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(stable_seed("q", path, variant))) * 1.2
     return SparseDist(*sparsify(logits_to_probs(logits[None], PARAMS)[0], V))
 
 
@@ -93,7 +99,7 @@ def run_trials(sampler: TreeSampler, nodes: list[Node], n: int, seed: int) -> li
     return out
 
 
-def assert_lossless(emitted: list[list[int]], min_n: int = 700) -> int:
+def assert_lossless(emitted: list[list[int]], min_n: int = 400) -> int:
     """Chi-square of the first token against p(root) and of the second given the first; returns #laws tested."""
     first = torch.zeros(V, dtype=torch.float64)
     second: dict[int, torch.Tensor] = {}
