@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 
 from bench.common import DEFAULT_WORKLOAD, load_workload, log, split_csv
 from specmesh.config import EngineConfig
+from specmesh.engine import int4_kernel
 from specmesh.engine.build import build_engine_parts
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
 from specmesh.models import resolve_model_dir
@@ -59,14 +60,15 @@ def text_ids(tokenizer, num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
-def measure(preset: str, dtype: str, ks: list[int], threads: list[int], reps: int, ids: list[int]) -> dict:
+def measure(preset: str, dtype: str, ks: list[int], threads: list[int], reps: int, ids: list[int],
+            label: str = "") -> dict:
     parts = build_engine_parts(EngineConfig(model=preset, dtype=dtype, num_kv_blocks=64, block_size=BLOCK))
     context = (ids * (1 + CONTEXT // max(1, len(ids))))[:CONTEXT] if ids else list(range(3, 3 + CONTEXT))
     costs = {}
     for t in threads:
         torch.set_num_threads(t)
         costs[t] = {k: forward_ms(parts.runner, context, k, reps) for k in ks}
-        log(f"{dtype} {t} thread(s): " + "  ".join(f"k={k} {ms:.1f} ms" for k, ms in costs[t].items()))
+        log(f"{label or dtype} {t} thread(s): " + "  ".join(f"k={k} {ms:.1f} ms" for k, ms in costs[t].items()))
     torch.set_num_threads(1)
     argmax = top1(parts.runner, ids) if ids else None
     return {"costs_ms": costs, "argmax": argmax}
@@ -79,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ks", default="1,2,4,5,8,16")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--int4-isas", default="", help="int4 code paths to time, e.g. avx2,avx512vnni (default: "
+                   "every one this CPU has; outputs are bit-identical across them)")
     p.add_argument("--agreement-tokens", type=int, default=400, help="teacher-forced tokens compared (0 = skip)")
     args = p.parse_args(argv)
     dtypes = split_csv(args.dtypes)
@@ -91,8 +95,13 @@ def main(argv: list[str] | None = None) -> int:
             dtypes = [*dtypes, "float32"]
     results = {}
     for dtype in dtypes:
-        results[dtype] = measure(args.preset, dtype, ks, threads if dtype != "float32" else [], args.reps, ids)
-        gc.collect()
+        for isa in (int4_isas(args.int4_isas) if dtype == "int4" else [""]):
+            label = f"{dtype}/{isa}" if isa else dtype
+            if isa:
+                int4_kernel.instruction_set(isa)
+            results[label] = measure(args.preset, dtype, ks, threads if dtype != "float32" else [], args.reps, ids,
+                                     label)
+            gc.collect()
     reference = results.get("float32", {}).get("argmax")
     report = {"preset": args.preset, "context": CONTEXT, "ks": ks, "threads": threads, "agreement_tokens": len(ids),
               "dtypes": {}}
@@ -109,14 +118,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def int4_isas(wanted: str) -> list[str]:
+    """The int4 kernel paths to time: those asked for, or every one the CPU has (best first)."""
+    names = split_csv(wanted) or list(reversed(int4_kernel.ISAS))
+    runnable = [name for name in names if int4_kernel.instruction_set(name) == name]
+    int4_kernel.instruction_set(None if not runnable else runnable[0])
+    return runnable
+
+
 def print_table(report: dict) -> None:
     print(f"\n{report['preset']}: ms per forward of k new tokens after {report['context']} tokens")
-    print("dtype  threads  " + "  ".join(f"k={k:<5}" for k in report["ks"]) + "  top-1 vs float32")
+    print("dtype            threads  " + "  ".join(f"k={k:<5}" for k in report["ks"]) + "  top-1 vs float32")
     for dtype, entry in report["dtypes"].items():
         agree = entry.get("top1_agreement_with_float32")
         for t, costs in entry["costs_ms"].items():
             row = "  ".join(f"{costs[k]:7.1f}" for k in report["ks"])
-            print(f"{dtype:6} {t:7}  {row}  {'' if agree is None else f'{agree:.3f}'}")
+            print(f"{dtype:16} {t:7}  {row}  {'' if agree is None else f'{agree:.3f}'}")
 
 
 if __name__ == "__main__":

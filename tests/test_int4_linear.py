@@ -3,13 +3,28 @@ bit-identical whatever shares the forward or how many threads run it, and its qu
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import nn
 
+from specmesh.engine import int4_kernel
 from specmesh.engine.int4_linear import Int4GroupLinear, dequantize_weight, quantize_weight
 
 SHAPES = [(64, 64), (8960 // 8, 1536), (70, 40), (256, 96)]     # (out, in); odd ones are padded
+
+
+BEST_ISA = int4_kernel.instruction_set()
+ISAS = [isa for isa in int4_kernel.ISAS if int4_kernel.instruction_set(isa) == isa]
+int4_kernel.instruction_set(BEST_ISA)
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each code path this CPU can run, pinned for one test (then the best one again)."""
+    yield int4_kernel.instruction_set(request.param)
+    int4_kernel.instruction_set(BEST_ISA)
 
 
 def linear(out_features: int, in_features: int, seed: int = 0, bias: bool = True) -> nn.Linear:
@@ -27,7 +42,7 @@ def reference(layer: Int4GroupLinear, lin: nn.Linear, x: torch.Tensor) -> torch.
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
-def test_kernel_matches_the_float64_reference(out_features: int, in_features: int) -> None:
+def test_kernel_matches_the_float64_reference(out_features: int, in_features: int, isa: str) -> None:
     lin = linear(out_features, in_features)
     layer = Int4GroupLinear(lin)
     x = torch.randn(9, in_features)
@@ -37,15 +52,15 @@ def test_kernel_matches_the_float64_reference(out_features: int, in_features: in
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
-def test_a_row_is_bit_identical_alone_in_any_batch_and_at_any_thread_count(out_features: int,
-                                                                           in_features: int) -> None:
+def test_a_row_is_bit_identical_alone_in_any_batch_and_at_any_thread_count(out_features: int, in_features: int,
+                                                                           isa: str) -> None:
     layer = Int4GroupLinear(linear(out_features, in_features, seed=1))
     x = torch.randn(37, in_features) * torch.linspace(0.1, 30.0, 37)[:, None]   # very different row scales
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         together = layer(x)
-        for m in (1, 2, 3, 4, 5, 8, 33):              # every row tile size and a partial row block
+        for m in (1, 2, 3, 4, 5, 6, 7, 8, 33):        # every row tile size (both paths) and a partial row block
             assert torch.equal(layer(x[:m]), together[:m]), m
         alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
         assert torch.equal(alone, together)
@@ -53,6 +68,22 @@ def test_a_row_is_bit_identical_alone_in_any_batch_and_at_any_thread_count(out_f
         assert torch.equal(layer(x), together)        # output tiles split across two threads
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(len(ISAS) < 2, reason="this CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("m", [1, 2, 7, 37])
+def test_the_avx2_and_vnni_paths_give_bit_identical_outputs(m: int) -> None:
+    """A verifier on a VNNI CPU decodes exactly what one on an AVX2-only CPU decodes."""
+    layer = Int4GroupLinear(linear(8960 // 8, 1536, seed=3))
+    x = torch.randn(m, 1536) * torch.linspace(0.1, 30.0, m)[:, None]
+    outputs = []
+    try:
+        for name in ISAS:
+            int4_kernel.instruction_set(name)
+            outputs.append(layer(x))
+    finally:
+        int4_kernel.instruction_set(BEST_ISA)
+    assert torch.equal(outputs[0], outputs[1])
 
 
 def test_weights_on_the_grid_round_trip_exactly() -> None:

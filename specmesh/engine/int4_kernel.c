@@ -105,10 +105,68 @@ static inline __attribute__((always_inline)) void tile_rows(
                          _mm256_fmadd_ps(_mm256_add_ps(acc[t], acc_min[t]), _mm256_set1_ps(row_scale[r0 + t]), b));
 }
 
-/* y [m, n] for output tiles [tile_begin, tile_end) (n a multiple of 8, k of 32). */
-void sm_int4_matmul(const int8_t *xq, const float *row_scale, const float *xsum, int64_t m, int64_t k,
-                    const uint8_t *wq, const uint16_t *scales, const uint16_t *mins, const float *bias, int64_t n,
-                    int64_t tile_begin, int64_t tile_end, float *y) {
+/* The same tile on AVX-512 VNNI (256-bit EVEX forms): one vpdpbusd per 4-byte broadcast adds the 4 products of
+   each channel straight into int32, where AVX2 needs a maddubs, an int16 add and a final madd. The integer sums are
+   exact on both paths and the float steps after them are the same instructions in the same order, so the two paths
+   give bit-identical outputs (tests/test_int4_linear.py checks it). Two chains per row (low and high nibbles) hide
+   vpdpbusd's latency; their sum is an exact integer add. */
+#define VNNI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+#define VNNI_ROW_TILE 6
+
+static inline __attribute__((always_inline)) VNNI_TARGET void tile_rows_vnni(
+        int64_t tile, int64_t r0, const int rows, int64_t k, int64_t n, const int8_t *xq, const float *row_scale,
+        const float *xsum, const uint8_t *wq, const uint16_t *scales, const uint16_t *mins, const float *bias,
+        float *y) {
+    const int64_t groups = k / GROUP;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256 acc[VNNI_ROW_TILE], acc_min[VNNI_ROW_TILE];
+    for (int t = 0; t < VNNI_ROW_TILE; t++) acc[t] = acc_min[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t tg = tile * groups + g;
+        const uint8_t *blocks = wq + tg * 4 * 32;
+        _mm_prefetch((const char *)(blocks + PREFETCH_BYTES), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blocks + PREFETCH_BYTES + 64), _MM_HINT_T0);
+        __m256i isum_a[VNNI_ROW_TILE], isum_b[VNNI_ROW_TILE];
+        __m256i isum_c[2], isum_d[2];
+        for (int t = 0; t < VNNI_ROW_TILE; t++) isum_a[t] = isum_b[t] = _mm256_setzero_si256();
+        for (int t = 0; t < 2; t++) isum_c[t] = isum_d[t] = _mm256_setzero_si256();
+        for (int s = 0; s < 4; s++) {
+            const __m256i packed = _mm256_loadu_si256((const __m256i *)(blocks + s * 32));
+            const __m256i wa = _mm256_and_si256(packed, low);
+            const __m256i wb = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+            for (int t = 0; t < rows; t++) {
+                const int8_t *x = xq + (r0 + t) * k + g * GROUP + 8 * s;
+                if (rows <= 2 && (s & 1)) {          /* few rows: 4 chains per row, else they wait on latency */
+                    isum_c[t] = _mm256_dpbusd_epi32(isum_c[t], wa, bcast4(x));
+                    isum_d[t] = _mm256_dpbusd_epi32(isum_d[t], wb, bcast4(x + 4));
+                } else {
+                    isum_a[t] = _mm256_dpbusd_epi32(isum_a[t], wa, bcast4(x));
+                    isum_b[t] = _mm256_dpbusd_epi32(isum_b[t], wb, bcast4(x + 4));
+                }
+            }
+        }
+        if (rows <= 2)
+            for (int t = 0; t < rows; t++) {
+                isum_a[t] = _mm256_add_epi32(isum_a[t], isum_c[t]);
+                isum_b[t] = _mm256_add_epi32(isum_b[t], isum_d[t]);
+            }
+        const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + tg * LANES)));
+        const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + tg * LANES)));
+        for (int t = 0; t < rows; t++) {
+            const __m256 dots = _mm256_cvtepi32_ps(_mm256_add_epi32(isum_a[t], isum_b[t]));
+            acc[t] = _mm256_fmadd_ps(dots, sc, acc[t]);
+            acc_min[t] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[(r0 + t) * groups + g]), mn, acc_min[t]);
+        }
+    }
+    const __m256 b = bias ? _mm256_loadu_ps(bias + tile * LANES) : _mm256_setzero_ps();
+    for (int t = 0; t < rows; t++)
+        _mm256_storeu_ps(y + (r0 + t) * n + tile * LANES,
+                         _mm256_fmadd_ps(_mm256_add_ps(acc[t], acc_min[t]), _mm256_set1_ps(row_scale[r0 + t]), b));
+}
+
+static void matmul_avx2(const int8_t *xq, const float *row_scale, const float *xsum, int64_t m, int64_t k,
+                        const uint8_t *wq, const uint16_t *scales, const uint16_t *mins, const float *bias,
+                        int64_t n, int64_t tile_begin, int64_t tile_end, float *y) {
     for (int64_t rb = 0; rb < m; rb += ROW_BLOCK) {
         const int64_t re = rb + ROW_BLOCK < m ? rb + ROW_BLOCK : m;
         for (int64_t tile = tile_begin; tile < tile_end; tile++) {
@@ -124,6 +182,54 @@ void sm_int4_matmul(const int8_t *xq, const float *row_scale, const float *xsum,
             }
         }
     }
+}
+
+static VNNI_TARGET void matmul_vnni(const int8_t *xq, const float *row_scale, const float *xsum, int64_t m,
+                                    int64_t k, const uint8_t *wq, const uint16_t *scales, const uint16_t *mins,
+                                    const float *bias, int64_t n, int64_t tile_begin, int64_t tile_end, float *y) {
+    for (int64_t rb = 0; rb < m; rb += ROW_BLOCK) {
+        const int64_t re = rb + ROW_BLOCK < m ? rb + ROW_BLOCK : m;
+        for (int64_t tile = tile_begin; tile < tile_end; tile++) {
+            for (int64_t r0 = rb; r0 < re; r0 += VNNI_ROW_TILE) {
+#define ROWS(R) tile_rows_vnni(tile, r0, R, k, n, xq, row_scale, xsum, wq, scales, mins, bias, y)
+                switch (re - r0 < VNNI_ROW_TILE ? re - r0 : VNNI_ROW_TILE) {
+                    case 1: ROWS(1); break;
+                    case 2: ROWS(2); break;
+                    case 3: ROWS(3); break;
+                    case 4: ROWS(4); break;
+                    case 5: ROWS(5); break;
+                    default: ROWS(6); break;
+                }
+#undef ROWS
+            }
+        }
+    }
+}
+
+/* Instruction sets: 0 = AVX2, 1 = AVX-512 VNNI. The best the CPU has is chosen on first use; tests pin one. */
+enum { ISA_AVX2 = 0, ISA_VNNI = 1 };
+static atomic_int isa = -1;
+
+static int best_isa(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") ? ISA_VNNI : ISA_AVX2;
+}
+
+/* Pins the instruction set (a value the CPU lacks is refused); returns the one in use. Negative: just report it. */
+int sm_set_isa(int wanted) {
+    if (atomic_load(&isa) < 0) atomic_store(&isa, best_isa());
+    if (wanted == ISA_AVX2 || (wanted == ISA_VNNI && best_isa() == ISA_VNNI)) atomic_store(&isa, wanted);
+    return atomic_load(&isa);
+}
+
+/* y [m, n] for output tiles [tile_begin, tile_end) (n a multiple of 8, k of 32). */
+void sm_int4_matmul(const int8_t *xq, const float *row_scale, const float *xsum, int64_t m, int64_t k,
+                    const uint8_t *wq, const uint16_t *scales, const uint16_t *mins, const float *bias, int64_t n,
+                    int64_t tile_begin, int64_t tile_end, float *y) {
+    if (sm_set_isa(-1) == ISA_VNNI)
+        matmul_vnni(xq, row_scale, xsum, m, k, wq, scales, mins, bias, n, tile_begin, tile_end, y);
+    else
+        matmul_avx2(xq, row_scale, xsum, m, k, wq, scales, mins, bias, n, tile_begin, tile_end, y);
 }
 
 /* ---------------------------------------------------------------------------------------------------------------

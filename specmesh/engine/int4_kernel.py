@@ -1,4 +1,5 @@
-"""Builds and loads the int4 x int8 AVX2 kernel (`int4_kernel.c`) with the system C compiler, once per source version.
+"""Builds and loads the int4 x int8 kernel (`int4_kernel.c`: AVX2, and AVX-512 VNNI where the CPU has it) with the
+system C compiler, once per source version.
 
 The shared library lands in `<cache dir>/kernels/int4-<hash>.so` ($SPECMESH_CACHE_DIR or ~/.cache/specmesh) and is
 called through ctypes, which releases the GIL during the call. With more than one torch thread the output tiles
@@ -74,7 +75,18 @@ def library() -> ctypes.CDLL:
     lib.sm_int4_matmul.restype = None
     lib.sm_int4_matmul_mt.argtypes = [_P, _P, _P, _I, _I, _P, _P, _P, _P, _I, _I, _I, _P, ctypes.c_int]
     lib.sm_int4_matmul_mt.restype = None
+    lib.sm_set_isa.argtypes = [ctypes.c_int]
+    lib.sm_set_isa.restype = ctypes.c_int
     return lib
+
+
+ISAS = ("avx2", "avx512vnni")      # the kernel's code paths, by the C file's ISA_* numbers
+
+
+def instruction_set(wanted: str | None = None) -> str:
+    """The kernel's code path in use (the best the CPU has, unless pinned); `wanted` pins one if the CPU has it.
+    Both paths give bit-identical outputs."""
+    return ISAS[library().sm_set_isa(ISAS.index(wanted) if wanted else -1)]
 
 
 if __name__ == "__main__":          # build ahead of time (e.g. in an image that will have no compiler)
