@@ -1,5 +1,6 @@
 """Batched paged attention: a sequence's logits do not depend on what shares its forward (int8 rowwise mode, bit for
-bit), the batched float path matches per-sequence attention, and the tree hook (`SeqSlice.query_mask`) masks."""
+bit, with the C kernel and with the SDPA fallback), the batched float path matches per-sequence attention, and the
+tree hook (`SeqSlice.query_mask`) masks."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from specmesh.engine import attention_kernel
 from specmesh.engine.build import QUANTIZERS
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
 from specmesh.engine.paged_attention import PagedBatch, PagedKVCache, SeqSlice, paged_attention_forward
@@ -69,6 +71,17 @@ def test_int8_verified_block_equals_one_token_decodes_inside_a_batch() -> None:
     assert torch.equal(verified, torch.stack(single))
 
 
+@pytest.fixture
+def sdpa_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rowwise attention without the C kernel: the per-row SDPA fallback (no compiler, or a non-float32 cache)."""
+    monkeypatch.setattr(attention_kernel, "supports", lambda head_dim, dtype: False)
+
+
+@pytest.mark.usefixtures("sdpa_rows")
+def test_sdpa_fallback_logits_alone_equal_logits_in_an_8_sequence_batch() -> None:
+    test_logits_alone_equal_logits_in_an_8_sequence_batch("int8")
+
+
 def reference_attention(query, keys, values, seq_slices, scaling):
     """Per-sequence causal SDPA over unpadded contexts (the pre-batching implementation)."""
     outs = []
@@ -83,9 +96,13 @@ def reference_attention(query, keys, values, seq_slices, scaling):
     return torch.cat(outs, dim=1).transpose(0, 1)
 
 
-@pytest.mark.parametrize("rowwise", [False, True])
+@pytest.mark.parametrize("mode", ["batched", "rowwise-kernel", "rowwise-sdpa"])
 @pytest.mark.parametrize("tree", [False, True])
-def test_batched_attention_matches_per_sequence_attention(rowwise: bool, tree: bool) -> None:
+def test_batched_attention_matches_per_sequence_attention(mode: str, tree: bool,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    rowwise = mode != "batched"
+    if mode == "rowwise-sdpa":
+        monkeypatch.setattr(attention_kernel, "supports", lambda head_dim, dtype: False)
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim = 4, 2, 8
     cache = PagedKVCache(1, 40, BLOCK, kv_heads, dim, torch.float32)
@@ -111,6 +128,7 @@ def test_batched_attention_matches_per_sequence_attention(rowwise: bool, tree: b
         slot_mapping += [t[p // BLOCK] * BLOCK + p % BLOCK for p in range(c, c + n)]
         start += n
     batch = PagedBatch.build(cache, torch.tensor(slot_mapping), seqs, rowwise)
+    assert (batch.row_keys is not None) == (mode == "rowwise-kernel")
     query = torch.randn(1, heads, start, dim, generator=g)
     new_k = torch.cat([k[:, c:] for (c, _), (k, _) in zip(lens, contexts, strict=True)], dim=1)[None]
     new_v = torch.cat([v[:, c:] for (c, _), (_, v) in zip(lens, contexts, strict=True)], dim=1)[None]
@@ -139,9 +157,12 @@ def test_quantized_logits_do_not_depend_on_the_thread_count(dtype: str) -> None:
     assert torch.equal(alone_on_two, single[0])
 
 
-def test_rowwise_attention_is_the_same_on_1_and_2_threads() -> None:
+@pytest.mark.parametrize("kernel", [True, False])
+def test_rowwise_attention_is_the_same_on_1_and_2_threads(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Qwen2.5-1.5B's head shape (12 heads, 2 KV heads, 128 dims): SDPA's 2-thread path for one row differs in the
-    last bits, so the rowwise path runs its SDPA calls on one thread."""
+    last bits, so the SDPA fallback runs its calls on one thread (the kernel is single-threaded)."""
+    if not kernel:
+        monkeypatch.setattr(attention_kernel, "supports", lambda head_dim, dtype: False)
     g = torch.Generator().manual_seed(3)
     cache = PagedKVCache(1, 40, 16, 2, 128, torch.float32)
     context = 100

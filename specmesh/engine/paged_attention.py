@@ -9,7 +9,10 @@ by every layer.
 Two ways to attend:
 
 * batched (float models): one masked SDPA call over the whole batch, queries and keys padded to the longest.
-* rowwise (batch-invariant, int8 and int4 models): every new token is its own 1-query SDPA row over its own context
+* rowwise (batch-invariant, int8 and int4 models): with a float32 cache, `attention_kernel.c` runs every new token
+  as its own row over the list of its key slots, read straight from the block pool (no gather, no padding; built
+  once per forward in `RowKeys`); its sums run in an order fixed by the row's own keys. Without the kernel (no C
+  compiler, another dtype), every new token is its own 1-query SDPA row over its own context
   padded to `L = ceil(context / bucket) * bucket` keys (bucket: 64 tokens rounded up to whole blocks). A one-token
   decode runs the same row, so a token's numbers are bit-identical whether it is verified in a block of k, decoded
   alone, or shares the forward with other sequences (SDPA's output for a 1-query row depends only on that row's keys and
@@ -30,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+
+from specmesh.engine import attention_kernel
 
 ATTN_IMPLEMENTATION = "specmesh_paged"
 ROW_KEY_BUCKET = 64
@@ -89,6 +94,43 @@ class _RowGroup:
 
 
 @dataclass(frozen=True)
+class RowKeys:
+    """The attention kernel's view of a forward: row t (a new token) attends to key_slots[row_start[t] : row_start[t]
+    + row_len[t]], its keys in order (context, then its own new tokens or tree path)."""
+
+    key_slots: torch.Tensor       # [sum of slot lists] int32
+    row_start: torch.Tensor       # [T] int64
+    row_len: torch.Tensor         # [T] int64
+    max_len: int
+
+    @staticmethod
+    def build(seqs: Sequence[SeqSlice], block_size: int) -> RowKeys:
+        slot_lists: list[torch.Tensor] = []
+        starts: list[torch.Tensor] = []
+        lengths: list[torch.Tensor] = []
+        offset = 0
+        for seq in seqs:
+            first_new = seq.context_len - seq.query_len
+            positions = torch.arange(seq.context_len)
+            slots = torch.tensor(seq.block_table, dtype=torch.long)[positions // block_size] * block_size + \
+                positions % block_size
+            if seq.query_mask is None:           # chains share one slot list: row i sees its first first_new + i + 1
+                slot_lists.append(slots)
+                starts.append(torch.full((seq.query_len,), offset, dtype=torch.long))
+                lengths.append(torch.arange(first_new + 1, seq.context_len + 1))
+                offset += seq.context_len
+                continue
+            for i in range(seq.query_len):        # tree rows: the context, then the row's ancestors and itself
+                own = torch.cat([slots[:first_new], slots[first_new + torch.nonzero(seq.query_mask[i]).flatten()]])
+                slot_lists.append(own)
+                starts.append(torch.tensor([offset]))
+                lengths.append(torch.tensor([len(own)]))
+                offset += len(own)
+        row_len = torch.cat(lengths)
+        return RowKeys(torch.cat(slot_lists).to(torch.int32), torch.cat(starts), row_len, int(row_len.max()))
+
+
+@dataclass(frozen=True)
 class PagedBatch:
     """What every attention layer needs to read and write the block pool for one forward (built once)."""
 
@@ -100,10 +142,14 @@ class PagedBatch:
     mask: torch.Tensor | None     # batched mode: [B, 1, max q, max keys] bool
     uniform_query_len: bool       # batched mode: every sequence runs the same number of new tokens
     row_groups: tuple[_RowGroup, ...]
+    row_keys: RowKeys | None = None   # rowwise through attention_kernel (then no tables, masks or row groups)
 
     @staticmethod
     def build(cache: PagedKVCache, slot_mapping: torch.Tensor, seqs: Sequence[SeqSlice],
               rowwise: bool = False) -> PagedBatch:
+        if rowwise and attention_kernel.supports(cache.key_caches[0].shape[-1], cache.key_caches[0].dtype):
+            return PagedBatch(cache, slot_mapping, tuple(seqs), True, torch.empty(0, dtype=torch.long), None, False,
+                              (), RowKeys.build(seqs, cache.block_size))
         bucket = key_bucket(cache.block_size)
         max_blocks = max(len(s.block_table) for s in seqs)
         if rowwise:      # room for every row's padded key length (padding reads block 0, masked out)
@@ -193,6 +239,8 @@ def paged_attention_forward(
         raise NotImplementedError("sliding-window attention is not supported by the paged KV cache")
     layer = module.layer_idx
     paged_batch.cache.write(layer, paged_batch.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    if paged_batch.row_keys is not None:
+        return _kernel_rows(paged_batch, layer, query[0], scaling).unsqueeze(0), None    # [1, T, H, D]
     keys, values = paged_batch.cache.gather(layer, paged_batch.block_tables)     # [B, L, kvH, D]
     keys, values = keys.to(query.dtype), values.to(query.dtype)
     if paged_batch.rowwise:
@@ -200,6 +248,19 @@ def paged_attention_forward(
     else:
         attn = _batched(paged_batch, query[0], keys, values, scaling)
     return attn.unsqueeze(0), None                                               # [1, T, H, D]
+
+
+def _kernel_rows(batch: PagedBatch, layer: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """query [H, T, D] -> [T, H, D], every row over its own key slots in the layer's pool."""
+    rk = batch.row_keys
+    assert rk is not None
+    k_cache, v_cache = batch.cache.key_caches[layer], batch.cache.value_caches[layer]
+    flat_shape = (-1, *k_cache.shape[2:])                                            # [slots, kvH, D]
+    head_dim = query.shape[-1]
+    out = attention_kernel.paged_attention(
+        query.transpose(0, 1).float(), k_cache.view(flat_shape), v_cache.view(flat_shape), rk.key_slots,
+        rk.row_start, rk.row_len, rk.max_len, head_dim ** -0.5 if scaling is None else float(scaling))
+    return out.to(query.dtype)
 
 
 def _rowwise(batch: PagedBatch, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

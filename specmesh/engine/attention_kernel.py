@@ -1,0 +1,57 @@
+"""Loads the batch-invariant paged attention kernel (`attention_kernel.c`), built once by `cpu_build`.
+
+`paged_attention_forward` uses it in rowwise mode (int8 and int4 models) when the cache and queries are float32 and
+the head size is a multiple of 8; otherwise, or where it cannot be built, attention falls back to per-row SDPA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from specmesh.engine.cpu_build import KernelUnavailable, load
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("attention_kernel.c")
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+HEAD_TILE = 6           # as in the C file: query heads per KV head done together
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, or None (logged once) where it cannot be built or run."""
+    try:
+        lib = load(SOURCE)
+    except KernelUnavailable as err:
+        log.warning("paged attention kernel unavailable, using per-row SDPA: %s", err)
+        return None
+    lib.sm_paged_attention.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P]
+    lib.sm_paged_attention.restype = None
+    return lib
+
+
+def supports(head_dim: int, dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 and head_dim % 8 == 0 and library() is not None
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, key_slots: torch.Tensor,
+                    row_start: torch.Tensor, row_len: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+    """query [T, H, D] float32; key_cache, value_cache [num_slots, kvH, D] (a layer's pool, viewed flat by slot);
+    row t attends to key_slots[row_start[t] : row_start[t] + row_len[t]] (int32 slot ids, in key order).
+    Returns [T, H, D]."""
+    lib = library()
+    assert lib is not None, "check supports() first"
+    rows, heads, head_dim = query.shape
+    query = query.contiguous()
+    out = torch.empty_like(query)
+    scratch = torch.empty(HEAD_TILE * max(1, max_len), dtype=torch.float32)
+    lib.sm_paged_attention(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), key_slots.data_ptr(),
+                           row_start.data_ptr(), row_len.data_ptr(), rows, heads, key_cache.shape[1], head_dim,
+                           scale, scratch.data_ptr(), out.data_ptr())
+    return out

@@ -1,0 +1,68 @@
+"""Builds a C kernel source with the system compiler into a shared library, once per source version and flags.
+
+Libraries land in `<cache dir>/kernels/<name>-<hash>.so` ($SPECMESH_CACHE_DIR or ~/.cache/specmesh), built beside
+and renamed (atomic, so concurrent services never load a half-written file), and are called through ctypes, which
+releases the GIL during each call. `python -m specmesh.engine.cpu_build` builds every kernel ahead of time (e.g. in
+an image that will have no compiler).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+AVX2_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-fno-fast-math", "-std=c11")
+
+
+class KernelUnavailable(RuntimeError):
+    """No C compiler, a failed build, or a CPU without the instructions a kernel needs."""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SPECMESH_CACHE_DIR") or str(Path.home() / ".cache" / "specmesh")
+    return Path(root) / "kernels"
+
+
+def _compile(source: Path, cflags: tuple[str, ...], target: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not compiler:
+        raise KernelUnavailable(f"{source.name} needs a C compiler (gcc or $CC) to be built once")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:        # build beside, then rename: atomic
+        out = Path(tmp) / target.name
+        proc = subprocess.run([compiler, *cflags, str(source), "-o", str(out), "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise KernelUnavailable(f"building {source.name} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(out, target)
+    log.info("built %s: %s", source.name, target)
+
+
+def library_path(source: Path, cflags: tuple[str, ...] = AVX2_CFLAGS) -> Path:
+    """The shared library for this source and these flags, compiled first if missing."""
+    digest = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"{source.stem.removesuffix('_kernel')}-{digest}.so"
+    if not path.is_file():
+        _compile(source, cflags, path)
+    return path
+
+
+def load(source: Path, cflags: tuple[str, ...] = AVX2_CFLAGS) -> ctypes.CDLL:
+    """The loaded library; every kernel source exports `sm_cpu_supported`, checked here."""
+    lib = ctypes.CDLL(str(library_path(source, cflags)))
+    lib.sm_cpu_supported.restype = ctypes.c_int
+    if not lib.sm_cpu_supported():
+        raise KernelUnavailable(f"{source.name} needs a CPU with AVX2, FMA and F16C")
+    return lib
+
+
+if __name__ == "__main__":
+    for kernel in sorted(Path(__file__).parent.glob("*_kernel.c")):
+        print(library_path(kernel))

@@ -1,0 +1,80 @@
+"""The paged attention kernel (specmesh/engine/attention_kernel.c): exact against a float64 reference, bit-identical
+for a row whatever shares the call or where its keys live, and the slot lists `RowKeys` builds for chains and trees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specmesh.engine import attention_kernel
+from specmesh.engine.paged_attention import RowKeys, SeqSlice
+
+pytestmark = pytest.mark.skipif(not attention_kernel.supports(8, torch.float32), reason="no C compiler or AVX2")
+
+
+def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: list[list[int]],
+              scale: float) -> torch.Tensor:
+    """float64 softmax attention, row t over keys[slots[t]]; query [T, H, D], keys [S, kvH, D]."""
+    heads, kv_heads = query.shape[1], keys.shape[1]
+    out = []
+    for t, row_slots in enumerate(slots):
+        k = keys[row_slots].double().repeat_interleave(heads // kv_heads, dim=1)     # [n, H, D]
+        v = values[row_slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,nhd->hn", query[t].double(), k) * scale
+        out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
+    return torch.stack(out)
+
+
+def run(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: list[list[int]],
+        scale: float) -> torch.Tensor:
+    flat = torch.tensor([s for row in slots for s in row], dtype=torch.int32)
+    lengths = torch.tensor([len(row) for row in slots])
+    starts = torch.cumsum(lengths, 0) - lengths
+    return attention_kernel.paged_attention(query, keys, values, flat, starts, lengths, int(lengths.max()), scale)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 2, 128), (14, 2, 64), (4, 2, 16), (2, 2, 8)])
+def test_kernel_matches_float64_attention(heads: int, kv_heads: int, head_dim: int) -> None:
+    g = torch.Generator().manual_seed(heads)
+    num_slots = 400
+    keys = torch.randn(num_slots, kv_heads, head_dim, generator=g)
+    values = torch.randn(num_slots, kv_heads, head_dim, generator=g)
+    lengths = [1, 5, 8, 9, 100, 257]                   # vector tails of every kind, and a long row
+    slots = [torch.randperm(num_slots, generator=g)[:n].tolist() for n in lengths]
+    query = torch.randn(len(lengths), heads, head_dim, generator=g) * 3     # peaked softmaxes too
+    out = run(query, keys, values, slots, head_dim ** -0.5)
+    torch.testing.assert_close(out.double(), reference(query, keys, values, slots, head_dim ** -0.5),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_a_row_is_bit_identical_alone_in_a_batch_and_wherever_its_keys_are_stored() -> None:
+    """What exact speculation needs: row 0 alone, beside other rows, and with its keys copied to other slots (a tree
+    path's keys vs a chain's) gives the same bits."""
+    g = torch.Generator().manual_seed(7)
+    keys, values = torch.randn(300, 2, 128, generator=g), torch.randn(300, 2, 128, generator=g)
+    query = torch.randn(5, 12, 128, generator=g)
+    row = list(range(0, 90))
+    others = [list(range(50, 50 + n)) for n in (3, 17, 64, 120)]
+    alone = run(query[:1], keys, values, [row], 0.088)
+    together = run(query, keys, values, [row, *others], 0.088)
+    moved = list(range(150, 240))
+    keys[moved], values[moved] = keys[row], values[row]
+    elsewhere = run(query[:1], keys, values, [moved], 0.088)
+    assert torch.equal(alone[0], together[0])
+    assert torch.equal(alone, elsewhere)
+
+
+def test_row_keys_for_a_chain_and_a_tree() -> None:
+    """Plain-int slot lists: a chain's rows share one list (row i sees the context and new tokens 0..i); a tree row
+    sees the context, then its ancestors and itself, by their slots."""
+    block = 4
+    chain = SeqSlice(query_start=0, query_len=3, context_len=7, block_table=[5, 2])   # 4 cached + 3 new
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)           # root, two children
+    tree = SeqSlice(query_start=3, query_len=3, context_len=5, block_table=[9, 1], query_mask=mask)
+    rk = RowKeys.build([chain, tree], block)
+    chain_slots = [20, 21, 22, 23, 8, 9, 10]
+    rows = [rk.key_slots[s:s + n].tolist() for s, n in zip(rk.row_start.tolist(), rk.row_len.tolist(), strict=True)]
+    assert rows[:3] == [chain_slots[:5], chain_slots[:6], chain_slots]
+    context = [36, 37]                                         # positions 0, 1 in block 9; new tokens at 38, 39, 4
+    assert rows[3:] == [[*context, 38], [*context, 38, 39], [*context, 38, 4]]
+    assert rk.max_len == 7
