@@ -60,7 +60,7 @@ def test_a_row_is_bit_identical_alone_in_any_batch_and_at_any_thread_count(out_f
     try:
         torch.set_num_threads(1)
         together = layer(x)
-        for m in (1, 2, 3, 4, 5, 6, 7, 8, 33):        # every row tile size (both paths) and a partial row block
+        for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 33):     # every row tile size (both paths) and a partial row block
             assert torch.equal(layer(x[:m]), together[:m]), m
         alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
         assert torch.equal(alone, together)

@@ -109,9 +109,10 @@ static inline __attribute__((always_inline)) void tile_rows(
    each channel straight into int32, where AVX2 needs a maddubs, an int16 add and a final madd. The integer sums are
    exact on both paths and the float steps after them are the same instructions in the same order, so the two paths
    give bit-identical outputs (tests/test_int4_linear.py checks it). Two chains per row (low and high nibbles) hide
-   vpdpbusd's latency; their sum is an exact integer add. */
+   vpdpbusd's latency; their sum is an exact integer add. The min terms run in a second pass over the groups (the
+   same FMAs in the same order), which leaves room for 8-row tiles. */
 #define VNNI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
-#define VNNI_ROW_TILE 6
+#define VNNI_ROW_TILE 8     /* 3 registers per row in the main loop (of 32 with AVX-512VL) */
 
 static inline __attribute__((always_inline)) VNNI_TARGET void tile_rows_vnni(
         int64_t tile, int64_t r0, const int rows, int64_t k, int64_t n, const int8_t *xq, const float *row_scale,
@@ -151,12 +152,15 @@ static inline __attribute__((always_inline)) VNNI_TARGET void tile_rows_vnni(
                 isum_b[t] = _mm256_add_epi32(isum_b[t], isum_d[t]);
             }
         const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + tg * LANES)));
-        const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + tg * LANES)));
         for (int t = 0; t < rows; t++) {
             const __m256 dots = _mm256_cvtepi32_ps(_mm256_add_epi32(isum_a[t], isum_b[t]));
             acc[t] = _mm256_fmadd_ps(dots, sc, acc[t]);
-            acc_min[t] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[(r0 + t) * groups + g]), mn, acc_min[t]);
         }
+    }
+    for (int64_t g = 0; g < groups; g++) {     /* the min terms: the same FMA chain as AVX2's, in a pass of its own */
+        const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + (tile * groups + g) * LANES)));
+        for (int t = 0; t < rows; t++)
+            acc_min[t] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[(r0 + t) * groups + g]), mn, acc_min[t]);
     }
     const __m256 b = bias ? _mm256_loadu_ps(bias + tile * LANES) : _mm256_setzero_ps();
     for (int t = 0; t < rows; t++)
@@ -198,7 +202,9 @@ static VNNI_TARGET void matmul_vnni(const int8_t *xq, const float *row_scale, co
                     case 3: ROWS(3); break;
                     case 4: ROWS(4); break;
                     case 5: ROWS(5); break;
-                    default: ROWS(6); break;
+                    case 6: ROWS(6); break;
+                    case 7: ROWS(7); break;
+                    default: ROWS(8); break;
                 }
 #undef ROWS
             }
