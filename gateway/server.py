@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from gateway.health import VerifierWatch
 from gateway.safe_parse import add_generation_servicer
 from gateway.servicer import GenerationServicer, ModelInfo
+from gateway.text_stream import IncrementalDetokenizer
 from gateway.tiers import build_tiers
 from protos.specmesh.v1 import draft_pb2_grpc, generate_pb2, verifier_pb2, verifier_pb2_grpc
 from specmesh.channels import internal_channel
@@ -51,7 +52,9 @@ def public_refusal_counter(metrics: GatewayMetrics) -> Callable[[str, grpc.Statu
 
 def load_tokenizer(ref: str, cache_dir: str) -> PreTrainedTokenizerBase:
     model_dir = resolve_model_dir(ref, Path(cache_dir) if cache_dir else None)
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    IncrementalDetokenizer(tokenizer)       # reads the decoder pipeline once now, not in the first request (~0.5 s)
+    return tokenizer
 
 
 @dataclass

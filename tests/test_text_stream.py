@@ -158,6 +158,18 @@ def test_window_mode_selection(name: str, expected: bool) -> None:
     assert IncrementalDetokenizer(ALL_TOKENIZERS[name]).uses_window is expected
 
 
+def test_the_decoder_pipeline_is_read_once_per_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading it serializes the whole tokenizer (~0.3 s for Qwen2.5's): a request must not pay that again."""
+    tokenizer = _bytelevel_tokenizer()
+    backend_type = type(tokenizer.backend_tokenizer)
+    calls = []
+    real = backend_type.to_str
+    monkeypatch.setattr(backend_type, "to_str", lambda self, *a, **kw: (calls.append(1), real(self, *a, **kw))[1])
+    first = IncrementalDetokenizer(tokenizer).uses_window
+    assert [IncrementalDetokenizer(tokenizer).uses_window for _ in range(3)] == [first] * 3
+    assert len(calls) == 1
+
+
 # ------------------------------------------------------------- detokenization
 
 
