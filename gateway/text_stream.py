@@ -58,11 +58,10 @@ def _decoder_spec(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any] | None:
     try:
         return _decoder_specs[tokenizer]
     except KeyError:
-        pass
+        spec = _decoder_specs[tokenizer] = _read_decoder_spec(tokenizer)
+        return spec
     except TypeError:                                   # not weakly referenceable: no cache
         return _read_decoder_spec(tokenizer)
-    spec = _decoder_specs[tokenizer] = _read_decoder_spec(tokenizer)
-    return spec
 
 
 def _read_decoder_spec(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any] | None:

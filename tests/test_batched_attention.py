@@ -71,10 +71,14 @@ def test_int8_verified_block_equals_one_token_decodes_inside_a_batch() -> None:
     assert torch.equal(verified, torch.stack(single))
 
 
-@pytest.fixture
-def sdpa_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+def use_sdpa_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rowwise attention without the C kernel: the per-row SDPA fallback (no compiler, or a non-float32 cache)."""
     monkeypatch.setattr(attention_kernel, "supports", lambda head_dim, dtype: False)
+
+
+@pytest.fixture
+def sdpa_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    use_sdpa_rows(monkeypatch)
 
 
 @pytest.mark.usefixtures("sdpa_rows")
@@ -102,7 +106,7 @@ def test_batched_attention_matches_per_sequence_attention(mode: str, tree: bool,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     rowwise = mode != "batched"
     if mode == "rowwise-sdpa":
-        monkeypatch.setattr(attention_kernel, "supports", lambda head_dim, dtype: False)
+        use_sdpa_rows(monkeypatch)
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim = 4, 2, 8
     cache = PagedKVCache(1, 40, BLOCK, kv_heads, dim, torch.float32)
@@ -162,7 +166,7 @@ def test_rowwise_attention_is_the_same_on_1_and_2_threads(kernel: bool, monkeypa
     """Qwen2.5-1.5B's head shape (12 heads, 2 KV heads, 128 dims): SDPA's 2-thread path for one row differs in the
     last bits, so the SDPA fallback runs its calls on one thread (the kernel is single-threaded)."""
     if not kernel:
-        monkeypatch.setattr(attention_kernel, "supports", lambda head_dim, dtype: False)
+        use_sdpa_rows(monkeypatch)
     g = torch.Generator().manual_seed(3)
     cache = PagedKVCache(1, 40, 16, 2, 128, torch.float32)
     context = 100
