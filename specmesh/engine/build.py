@@ -14,6 +14,7 @@ from specmesh.engine.int4_linear import quantize_linears_int4
 from specmesh.engine.int8_linear import quantize_linears
 from specmesh.engine.model_runner import ModelRunner, kv_cache_geometry
 from specmesh.engine.paged_attention import PagedKVCache
+from specmesh.engine.qwen2_decoder import fuse_projections
 from specmesh.engine.vocab_head import restrict_lm_head
 from specmesh.models import LoadedModel, load_model
 
@@ -59,6 +60,8 @@ def build_engine_parts(config: EngineConfig, head_vocab: int = 0) -> EngineParts
         always = [*tok.all_special_ids, *tok.get_added_vocab().values(), *loaded.eos_token_ids]
         log.info("%s: LM head restricted to %d token ids", config.model,
                  restrict_lm_head(loaded.model, head_vocab, always))
+    if fuse_projections(loaded.model):
+        log.info("%s: q/k/v and gate/up projections fused (specmesh's Qwen2 forward)", config.model)
     batch_invariant = config.dtype in QUANTIZERS
     if batch_invariant:
         quantize, what = QUANTIZERS[config.dtype]

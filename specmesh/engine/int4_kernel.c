@@ -24,6 +24,7 @@ threads. Built without -ffast-math: the compiler must not reassociate the float 
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define GROUP 32
 #define LANES 8             /* output channels per tile */
@@ -338,6 +339,26 @@ void sm_int4_matmul_mt(const int8_t *xq, const float *row_scale, const float *xs
     run_slice(&j, 0);
     while (atomic_load_explicit(&pending, memory_order_acquire) > 0) _mm_pause();
     pthread_mutex_unlock(&pool_busy);
+}
+
+/* One linear layer: x [m, k] float32 rows quantized (sm_quantize_rows) into this thread's scratch, then
+   sm_int4_matmul_mt over every output tile into y [m, n]. The same numbers as the two calls made separately. */
+void sm_int4_linear(const float *x, int64_t m, int64_t k, const uint8_t *wq, const uint16_t *scales,
+                    const uint16_t *mins, const float *bias, int64_t n, float *y, int threads) {
+    static __thread unsigned char *scratch;
+    static __thread size_t capacity;
+    const size_t xq_bytes = ((size_t)(m * k) + 63) & ~(size_t)63;
+    const size_t need = xq_bytes + sizeof(float) * (size_t)(m + m * (k / 32));
+    if (need > capacity) {
+        free(scratch);
+        scratch = aligned_alloc(64, (need + 63) & ~(size_t)63);
+        capacity = scratch ? need : 0;
+        if (!scratch) abort();
+    }
+    int8_t *xq = (int8_t *)scratch;
+    float *row_scale = (float *)(scratch + xq_bytes), *xsum = row_scale + m;
+    sm_quantize_rows(x, m, k, xq, row_scale, xsum);
+    sm_int4_matmul_mt(xq, row_scale, xsum, m, k, wq, scales, mins, bias, n, 0, n / 8, y, threads);
 }
 
 int sm_cpu_supported(void) {

@@ -32,6 +32,8 @@ def library() -> ctypes.CDLL:
     lib.sm_int4_matmul.restype = None
     lib.sm_int4_matmul_mt.argtypes = [_P, _P, _P, _I, _I, _P, _P, _P, _P, _I, _I, _I, _P, ctypes.c_int]
     lib.sm_int4_matmul_mt.restype = None
+    lib.sm_int4_linear.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _P, ctypes.c_int]
+    lib.sm_int4_linear.restype = None
     lib.sm_set_isa.argtypes = [ctypes.c_int]
     lib.sm_set_isa.restype = ctypes.c_int
     return lib

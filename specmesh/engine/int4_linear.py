@@ -92,29 +92,23 @@ class Int4GroupLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        rows = x.reshape(-1, shape[-1]).float()
+        rows = x.reshape(-1, shape[-1])
+        if rows.dtype != torch.float32:
+            rows = rows.float()
         if self.padded_in != self.in_features:
             rows = nn.functional.pad(rows, (0, self.padded_in - self.in_features))
         rows = rows.contiguous()
-        m, k = rows.shape
-        xq = torch.empty(m, k, dtype=torch.int8)
-        row_scale = torch.empty(m, dtype=torch.float32)
-        xsum = torch.empty(m, k // GROUP, dtype=torch.float32)
-        self.lib.sm_quantize_rows(rows.data_ptr(), m, k, xq.data_ptr(), row_scale.data_ptr(), xsum.data_ptr())
-        y = torch.empty(m, self.padded_out, dtype=torch.float32)
-        self._matmul(xq, row_scale, xsum, y)
+        m = rows.shape[0]
+        n = self.padded_out
+        y = torch.empty(m, n, dtype=torch.float32)
+        threads = (getattr(_threads, "num", None) or torch.get_num_threads()) if n >= PARALLEL_MIN_OUT else 1
+        # quantizes each row into the kernel's own scratch, then the integer matmul over every output tile
+        bias = None if self.bias is None else self.bias.data_ptr()
+        self.lib.sm_int4_linear(rows.data_ptr(), m, self.padded_in, self.packed.data_ptr(), self.scales.data_ptr(),
+                                self.mins.data_ptr(), bias, n, y.data_ptr(), threads)
         if self.padded_out != self.out_features:
             y = y[:, :self.out_features]
         return y.reshape(*shape[:-1], self.out_features)
-
-    def _matmul(self, xq: torch.Tensor, row_scale: torch.Tensor, xsum: torch.Tensor, y: torch.Tensor) -> None:
-        m, k = xq.shape
-        n = self.padded_out
-        bias = self.bias.data_ptr() if self.bias is not None else None
-        threads = (getattr(_threads, "num", None) or torch.get_num_threads()) if n >= PARALLEL_MIN_OUT else 1
-        self.lib.sm_int4_matmul_mt(xq.data_ptr(), row_scale.data_ptr(), xsum.data_ptr(), m, k, self.packed.data_ptr(),
-                                   self.scales.data_ptr(), self.mins.data_ptr(), bias, n, 0, n // LANES,
-                                   y.data_ptr(), threads)
 
 
 def quantize_linears_int4(model: nn.Module) -> int:

@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 
 from specmesh.engine.int4_linear import Int4GroupLinear, kernel_threads
 from specmesh.engine.paged_attention import ATTN_IMPLEMENTATION, PagedBatch, PagedKVCache, SeqSlice
+from specmesh.engine.qwen2_decoder import Qwen2Decoder, supports
 from specmesh.tree import block_layout
 
 
@@ -47,6 +48,8 @@ class ModelRunner:
         num_layers, num_kv_heads, head_dim = kv_cache_geometry(model)
         dtype = kv_dtype or next(model.parameters()).dtype
         self.cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype)
+        # specmesh's own Qwen2 forward where it applies (see qwen2_decoder), else transformers' with paged attention
+        self.decoder = Qwen2Decoder(model) if dtype == torch.float32 and supports(model) else None
         # int4 linears run on their own thread pool: torch's ops then stay on one thread (see forward_flat)
         self.own_kernel_threads = any(isinstance(m, Int4GroupLinear) for m in model.modules())
 
@@ -91,6 +94,11 @@ class ModelRunner:
             keep.extend(range(start + n - item.num_logits, start + n))
         batch = PagedBatch.build(self.cache, torch.tensor(slot_mapping, dtype=torch.long), seqs,
                                  self.batch_invariant)
+        if self.decoder is not None:
+            hidden = self.decoder.forward(torch.tensor(input_ids, dtype=torch.long),
+                                          torch.tensor(position_ids, dtype=torch.long), max(position_ids), batch,
+                                          torch.tensor(keep, dtype=torch.long))
+            return self.model.lm_head(hidden).float()                        # [sum(num_logits), vocab]
         hidden = self.model.model(
             input_ids=torch.tensor([input_ids], dtype=torch.long),
             position_ids=torch.tensor([position_ids], dtype=torch.long),

@@ -239,26 +239,30 @@ def paged_attention_forward(
         raise NotImplementedError("sliding-window attention is not supported by the paged KV cache")
     layer = module.layer_idx
     paged_batch.cache.write(layer, paged_batch.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    if paged_batch.row_keys is not None:
-        return _kernel_rows(paged_batch, layer, query[0], scaling).unsqueeze(0), None    # [1, T, H, D]
-    keys, values = paged_batch.cache.gather(layer, paged_batch.block_tables)     # [B, L, kvH, D]
+    return attend(paged_batch, layer, query[0].transpose(0, 1), scaling).unsqueeze(0), None    # [1, T, H, D]
+
+
+def attend(batch: PagedBatch, layer: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """query [T, H, D] of the new tokens, whose keys and values are already in the layer's pool -> [T, H, D]."""
+    if batch.row_keys is not None:
+        return _kernel_rows(batch, layer, query, scaling)
+    keys, values = batch.cache.gather(layer, batch.block_tables)                 # [B, L, kvH, D]
     keys, values = keys.to(query.dtype), values.to(query.dtype)
-    if paged_batch.rowwise:
-        attn = _rowwise(paged_batch, query[0], keys, values, scaling)
-    else:
-        attn = _batched(paged_batch, query[0], keys, values, scaling)
-    return attn.unsqueeze(0), None                                               # [1, T, H, D]
+    heads_first = query.transpose(0, 1)                                          # [H, T, D]
+    if batch.rowwise:
+        return _rowwise(batch, heads_first, keys, values, scaling)
+    return _batched(batch, heads_first, keys, values, scaling)
 
 
 def _kernel_rows(batch: PagedBatch, layer: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
-    """query [H, T, D] -> [T, H, D], every row over its own key slots in the layer's pool."""
+    """query [T, H, D] -> [T, H, D], every row over its own key slots in the layer's pool."""
     rk = batch.row_keys
     assert rk is not None
     k_cache, v_cache = batch.cache.key_caches[layer], batch.cache.value_caches[layer]
     flat_shape = (-1, *k_cache.shape[2:])                                            # [slots, kvH, D]
     head_dim = query.shape[-1]
     out = attention_kernel.paged_attention(
-        query.transpose(0, 1).float(), k_cache.view(flat_shape), v_cache.view(flat_shape), rk.key_slots,
+        query.float(), k_cache.view(flat_shape), v_cache.view(flat_shape), rk.key_slots,
         rk.row_start, rk.row_len, rk.max_len, head_dim ** -0.5 if scaling is None else float(scaling))
     return out.to(query.dtype)
 
