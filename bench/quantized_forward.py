@@ -4,6 +4,8 @@ forward of k new tokens after a 100-token context at 1 and 2 threads, and top-1 
 
     .venv/bin/python -m bench.quantized_forward --preset qwen2.5-coder-1.5b           # ~4 min, ~8 GB RAM
     .venv/bin/python -m bench.quantized_forward --preset tiny-target --dtypes int8,int4 --agreement-tokens 0
+    .venv/bin/python -m bench.quantized_forward --preset qwen2.5-coder-0.5b --dtypes int4 \
+        --forwards specmesh,transformers --threads 1 --agreement-tokens 0  # own forward vs transformers'
 
 Prints a table and writes bench/results/quantized-forward-<preset>-<time>.json.
 """
@@ -61,8 +63,9 @@ def text_ids(tokenizer, num_tokens: int) -> list[int]:
 
 
 def measure(preset: str, dtype: str, ks: list[int], threads: list[int], reps: int, ids: list[int],
-            label: str = "") -> dict:
-    parts = build_engine_parts(EngineConfig(model=preset, dtype=dtype, num_kv_blocks=64, block_size=BLOCK))
+            label: str = "", forward: str = "specmesh") -> dict:
+    parts = build_engine_parts(EngineConfig(model=preset, dtype=dtype, num_kv_blocks=64, block_size=BLOCK,
+                                            forward=forward))
     context = (ids * (1 + CONTEXT // max(1, len(ids))))[:CONTEXT] if ids else list(range(3, 3 + CONTEXT))
     costs = {}
     for t in threads:
@@ -83,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--int4-isas", default="", help="int4 code paths to time, e.g. avx2,avx512vnni (default: "
                    "every one this CPU has; outputs are bit-identical across them)")
+    p.add_argument("--forwards", default="specmesh", help="comma list of model forwards to time: specmesh (its own "
+                   "Qwen2 forward), transformers (theirs, same kernels); rows of the second get a /transformers label")
     p.add_argument("--agreement-tokens", type=int, default=400, help="teacher-forced tokens compared (0 = skip)")
     args = p.parse_args(argv)
     dtypes = split_csv(args.dtypes)
@@ -94,14 +99,16 @@ def main(argv: list[str] | None = None) -> int:
         if "float32" not in dtypes:
             dtypes = [*dtypes, "float32"]
     results = {}
+    forwards = split_csv(args.forwards)
     for dtype in dtypes:
         for isa in (int4_isas(args.int4_isas) if dtype == "int4" else [""]):
-            label = f"{dtype}/{isa}" if isa else dtype
-            if isa:
-                int4_kernel.instruction_set(isa)
-            results[label] = measure(args.preset, dtype, ks, threads if dtype != "float32" else [], args.reps, ids,
-                                     label)
-            gc.collect()
+            for forward in (forwards if dtype != "float32" else forwards[:1]):
+                label = (f"{dtype}/{isa}" if isa else dtype) + ("" if forward == "specmesh" else f"/{forward}")
+                if isa:
+                    int4_kernel.instruction_set(isa)
+                results[label] = measure(args.preset, dtype, ks, threads if dtype != "float32" else [], args.reps,
+                                         ids, label, forward)
+                gc.collect()
     reference = results.get("float32", {}).get("argmax")
     report = {"preset": args.preset, "context": CONTEXT, "ks": ks, "threads": threads, "agreement_tokens": len(ids),
               "dtypes": {}}
@@ -128,12 +135,13 @@ def int4_isas(wanted: str) -> list[str]:
 
 def print_table(report: dict) -> None:
     print(f"\n{report['preset']}: ms per forward of k new tokens after {report['context']} tokens")
-    print("dtype            threads  " + "  ".join(f"k={k:<5}" for k in report["ks"]) + "  top-1 vs float32")
+    head = "  ".join(f"k={k:<5}" for k in report["ks"])
+    print(f"{'dtype':28} threads  {head}  top-1 vs float32")
     for dtype, entry in report["dtypes"].items():
         agree = entry.get("top1_agreement_with_float32")
         for t, costs in entry["costs_ms"].items():
             row = "  ".join(f"{costs[k]:7.1f}" for k in report["ks"])
-            print(f"{dtype:16} {t:7}  {row}  {'' if agree is None else f'{agree:.3f}'}")
+            print(f"{dtype:28} {t:7}  {row}  {'' if agree is None else f'{agree:.3f}'}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ class TlsConfig:
 class EngineConfig:
     model: str = "tiny-target"         # HF directory, .gguf file, or a preset (see `specmesh models list`)
     dtype: str = "float32"             # float32, int8 or int4: each keeps greedy speculation exact (README: numerics)
+    forward: str = "specmesh"          # "specmesh": its own Qwen2 forward where it applies; "transformers": theirs
     num_threads: int = 1               # torch threads for this service
     num_threads_max: int = 0           # > num_threads: steps of >= max_threads_min_tokens tokens use this many threads
     max_threads_min_tokens: int = 8    # 1 = every step (a verifier sharing its host with an idle draft service)

@@ -11,8 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
+from specmesh.config import EngineConfig
 from specmesh.engine import qwen2_decoder
-from specmesh.engine.build import QUANTIZERS
+from specmesh.engine.build import QUANTIZERS, build_engine_parts
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
 from specmesh.engine.paged_attention import PagedKVCache
 from specmesh.models import resolve_model_dir
@@ -102,3 +103,16 @@ def test_rope_kernel_equals_transformers_rotary(target: torch.nn.Module) -> None
     flat_values = cache.value_caches[0].view(-1, kv_heads, head_dim)
     assert torch.equal(flat_keys[slots], k_ref[0].transpose(0, 1))
     assert torch.equal(flat_values[slots], v.view(rows, kv_heads, head_dim))
+
+
+def test_engine_config_picks_the_forward() -> None:
+    own = build_engine_parts(EngineConfig(model="tiny-target", dtype="int4", num_kv_blocks=8))
+    theirs = build_engine_parts(EngineConfig(model="tiny-target", dtype="int4", num_kv_blocks=8,
+                                             forward="transformers"))
+    assert own.runner.decoder is not None and qwen2_decoder.is_fused(own.runner.model)
+    assert theirs.runner.decoder is None and not qwen2_decoder.is_fused(theirs.runner.model)
+    ids = _ids(9)
+    a, b = (parts.runner.forward([ForwardItem(ids, 0, [0, 1, 2], 9)])[0] for parts in (own, theirs))
+    torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+    with pytest.raises(ValueError, match="forward must be one of"):
+        build_engine_parts(EngineConfig(model="tiny-target", forward="jax"))

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 # "int4": 4-bit weights in groups of 32, int8 per-token activations (batch-invariant, see int4_linear).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.float32,
           "int4": torch.float32}
+FORWARDS = ("specmesh", "transformers")     # the model forward: specmesh's own (qwen2_decoder) where it applies
 QUANTIZERS = {"int8": (quantize_linears, "int8 (per-token activations)"),
               "int4": (quantize_linears_int4, "int4 groups of 32 (per-token int8 activations)")}
 
@@ -40,6 +41,8 @@ def build_engine_parts(config: EngineConfig, head_vocab: int = 0) -> EngineParts
     """head_vocab > 0 (draft models only): restrict the LM head to that many token ids (see vocab_head)."""
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+    if config.forward not in FORWARDS:
+        raise ValueError(f"forward must be one of {list(FORWARDS)}, got {config.forward!r}")
     torch.set_num_threads(config.num_threads)
     cache_dir = Path(config.cache_dir) if config.cache_dir else None
     loaded = load_model(config.model, dtype=DTYPES[config.dtype], cache_dir=cache_dir)
@@ -60,11 +63,13 @@ def build_engine_parts(config: EngineConfig, head_vocab: int = 0) -> EngineParts
         always = [*tok.all_special_ids, *tok.get_added_vocab().values(), *loaded.eos_token_ids]
         log.info("%s: LM head restricted to %d token ids", config.model,
                  restrict_lm_head(loaded.model, head_vocab, always))
-    if fuse_projections(loaded.model):
+    own_forward = config.forward == "specmesh" and fuse_projections(loaded.model)
+    if own_forward:
         log.info("%s: q/k/v and gate/up projections fused (specmesh's Qwen2 forward)", config.model)
     batch_invariant = config.dtype in QUANTIZERS
     if batch_invariant:
         quantize, what = QUANTIZERS[config.dtype]
         log.info("%s: %d linear layers quantized to %s", config.model, quantize(loaded.model), what)
-    runner = ModelRunner(loaded.model, num_blocks, config.block_size, batch_invariant=batch_invariant)
+    runner = ModelRunner(loaded.model, num_blocks, config.block_size, batch_invariant=batch_invariant,
+                         own_forward=own_forward)
     return EngineParts(loaded, runner, BlockManager(num_blocks, config.block_size), max_model_len)

@@ -58,6 +58,11 @@ void sm_quantize_rows(const float *x, int64_t m, int64_t k, int8_t *xq, float *r
     }
 }
 
+/* An empty asm that takes v in a register: the integer adds before it cannot be reassociated past it. Without it GCC
+   turns each group's chain of maddubs + add into a tree, computes all 32 products of a 4-row tile first and spills
+   them to the stack (the integer sums are exact, so only speed is at stake). */
+#define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
+
 static inline __m256i bcast4(const int8_t *p) {
     int32_t v;
     __builtin_memcpy(&v, p, 4);
@@ -73,7 +78,7 @@ static inline __attribute__((always_inline)) void tile_rows(
     const int64_t groups = k / GROUP;
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[ROW_TILE], acc_min[ROW_TILE];       /* two independent FMA chains per row */
+    __m256 acc[ROW_TILE], acc_min[ROW_TILE];       /* two independent FMA chains per row (scales, mins) */
     for (int t = 0; t < ROW_TILE; t++) acc[t] = acc_min[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const int64_t tg = tile * groups + g;
@@ -90,15 +95,19 @@ static inline __attribute__((always_inline)) void tile_rows(
                 const int8_t *x = xq + (r0 + t) * k + g * GROUP + 8 * s;
                 isum[t] = _mm256_add_epi16(isum[t], _mm256_maddubs_epi16(wa, bcast4(x)));
                 isum[t] = _mm256_add_epi16(isum[t], _mm256_maddubs_epi16(wb, bcast4(x + 4)));
+                KEEP_IN_REGISTER(isum[t]);
             }
         }
         const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + tg * LANES)));
-        const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + tg * LANES)));
         for (int t = 0; t < rows; t++) {
             const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[t], ones));    /* 8 channels */
             acc[t] = _mm256_fmadd_ps(dots, sc, acc[t]);
-            acc_min[t] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[(r0 + t) * groups + g]), mn, acc_min[t]);
         }
+    }
+    for (int64_t g = 0; g < groups; g++) {     /* the min terms, in a pass of their own (fewer live registers) */
+        const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + (tile * groups + g) * LANES)));
+        for (int t = 0; t < rows; t++)
+            acc_min[t] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[(r0 + t) * groups + g]), mn, acc_min[t]);
     }
     const __m256 b = bias ? _mm256_loadu_ps(bias + tile * LANES) : _mm256_setzero_ps();
     for (int t = 0; t < rows; t++)

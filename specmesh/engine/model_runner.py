@@ -10,7 +10,7 @@ from transformers import PreTrainedModel
 
 from specmesh.engine.int4_linear import Int4GroupLinear, kernel_threads
 from specmesh.engine.paged_attention import ATTN_IMPLEMENTATION, PagedBatch, PagedKVCache, SeqSlice
-from specmesh.engine.qwen2_decoder import Qwen2Decoder, supports
+from specmesh.engine.qwen2_decoder import Qwen2Decoder, is_fused, supports
 from specmesh.tree import block_layout
 
 
@@ -38,18 +38,20 @@ def kv_cache_geometry(model: PreTrainedModel) -> tuple[int, int, int]:
 
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype | None = None, batch_invariant: bool = False) -> None:
+                 kv_dtype: torch.dtype | None = None, batch_invariant: bool = False, own_forward: bool = True) -> None:
         """batch_invariant: attention one query row at a time over its own block-padded context, so a token's
         numbers never depend on how many tokens share the forward (needed with int8 / int4 per-token linears for exact
-        greedy speculation)."""
+        greedy speculation). own_forward: specmesh's Qwen2 forward where it applies (see qwen2_decoder), else
+        transformers' (with the same paged attention)."""
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model.eval()
         self.batch_invariant = batch_invariant
         num_layers, num_kv_heads, head_dim = kv_cache_geometry(model)
         dtype = kv_dtype or next(model.parameters()).dtype
         self.cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype)
-        # specmesh's own Qwen2 forward where it applies (see qwen2_decoder), else transformers' with paged attention
-        self.decoder = Qwen2Decoder(model) if dtype == torch.float32 and supports(model) else None
+        self.decoder = Qwen2Decoder(model) if own_forward and dtype == torch.float32 and supports(model) else None
+        if self.decoder is None and is_fused(model):
+            raise ValueError("a model with fused projections runs only on specmesh's forward (float32 KV cache)")
         # int4 linears run on their own thread pool: torch's ops then stay on one thread (see forward_flat)
         self.own_kernel_threads = any(isinstance(m, Int4GroupLinear) for m in model.modules())
 

@@ -89,6 +89,11 @@ def fuse_projections(model: nn.Module) -> bool:
     return True
 
 
+def is_fused(model: nn.Module) -> bool:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return bool(layers) and hasattr(layers[0].self_attn, "qkv_proj")
+
+
 class RopeTable:
     """cos and sin [positions, D/2] from the model's rotary module (its first half: the module repeats it), grown on
     demand."""
