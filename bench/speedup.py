@@ -187,7 +187,8 @@ async def stack_phase(args: argparse.Namespace, layout: Layout, arms: list[str],
     stack = Stack(StackConfig(target=target, draft=draft, gateway_port=base, verifier_port=base + 1,
                               draft_port=base + 2, num_threads=layout.draft_threads,
                               verifier_threads=layout.verifier_threads, draft_link_addr=proxy.address,
-                              extra_env={**parse_env(args.env), **BASE_ENV}, taskset=dict(layout.pin)))
+                              extra_env={**parse_env(args.env), **BASE_ENV}, taskset=dict(layout.pin),
+                              nice=dict(layout.nice)))
     proxies: list[WanProxy] = []
     log(f"layout {layout.name}: starting {args.preset} stack ({target} + {draft}), {layout.description}")
     try:

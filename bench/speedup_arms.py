@@ -66,11 +66,16 @@ class Layout:
     draft_threads: int
     pin: tuple[tuple[str, str], ...] = ()
     peer_threads: int = 1           # threads of the peers (llama.cpp) that stand for this layout
+    # `nice -n` per service: in layout a the model services stand for hosts of their own, so the gateway, the WAN
+    # proxy and the client (other hosts, unpinned here) must not wait behind them for a core
+    nice: tuple[tuple[str, int], ...] = ()
 
 
 LAYOUTS: dict[str, Layout] = {
     "a": Layout("a", "two hosts simulated: verifier on core 0, draft service on core 1 (1 thread each); "
-                     "target-only = the verifier alone on its core", 1, 1, (("verifier", "0"), ("draft", "1")), 1),
+                     "target-only = the verifier alone on its core; both services at nice 10 (the gateway, "
+                     "proxy and client stand for other hosts)", 1, 1, (("verifier", "0"), ("draft", "1")), 1,
+                (("verifier", 10), ("draft", 10))),
     "b": Layout("b", "one 2-core host: nothing pinned, verifier 2 threads (target-only uses both cores), "
                      "draft 1 thread", 2, 1, (), 2),
 }

@@ -325,6 +325,20 @@ def test_stack_config_taskset_pins_the_child_itself() -> None:
         proc.wait()
 
 
+def test_stack_config_nice_lowers_the_child_itself() -> None:
+    stack = Stack(StackConfig(target="unused", draft="", nice={"probe": 7}), echo_output=False)
+    proc = stack._spawn("probe", "timeit", {}, 0)
+    try:
+        expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 7)
+        deadline = time.monotonic() + 30
+        while os.getpriority(os.PRIO_PROCESS, proc.pid) != expected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == expected   # nice exec'd python: same pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_speedup_prompt_selection_per_length_and_for_the_peers() -> None:
     args = speedup.parse_args(["--lengths", "64,256", "--limit", "2", "--long-limit", "1", "--long-categories",
                                "chat,code", "--peer-lengths", "64"])

@@ -45,6 +45,7 @@ class StackConfig:
     metrics_port: int = 0          # /metrics: gateway on this port, verifier +1, draft +2; 0 = off
     trace_file: str = ""           # JSON-lines span file shared by the three services; "" = off
     taskset: Mapping[str, str] = field(default_factory=dict)  # child name -> `taskset -c` cpu list (e.g. pinning)
+    nice: Mapping[str, int] = field(default_factory=dict)     # child name -> `nice -n` increment (e.g. benchmarks)
 
     @property
     def draft_addr(self) -> str:
@@ -201,7 +202,9 @@ class Stack:
         full_env = {**os.environ, **self.config.extra_env, **env}
         cpus = self.config.taskset.get(name, "")
         pin = ["taskset", "-c", cpus] if cpus else []
-        proc = subprocess.Popen([*pin, sys.executable, "-m", module], env=full_env, stdout=subprocess.PIPE)
+        niceness = self.config.nice.get(name, 0)
+        lower = ["nice", "-n", str(niceness)] if niceness else []
+        proc = subprocess.Popen([*pin, *lower, sys.executable, "-m", module], env=full_env, stdout=subprocess.PIPE)
         self.procs[name] = proc
         self.outputs[name] = ChildOutput(proc, self.echo_output)
         self._spawn_args[name] = (module, env, port)
