@@ -65,7 +65,7 @@ class SuffixDrafter(TieredDrafter):
         proposals = {LOCAL: self._local(context_ids, cap), GLOBAL: await self._shared(context_ids, cap)}
         options = {p: (self.choice.expected_suffix(p, prop), len(prop.token_ids))
                    for p, prop in proposals.items() if prop.token_ids}
-        if self.model is not None and num_tokens > 0 and getattr(self.model, "skip_rounds", 0) == 0:
+        if self.model is not None and num_tokens > 0 and self._model_round_allowed():
             options[MODEL] = (self.choice.expected_model(num_tokens), num_tokens)
         best = self.choice.choose(options) if options else None
         suffix_from = max((LOCAL, GLOBAL), key=lambda p: options.get(p, (0.0, 0))[0])     # LOCAL on a tie
@@ -90,6 +90,12 @@ class SuffixDrafter(TieredDrafter):
             self._round = _Round(best, suffix_from, proposals[suffix_from], draft, model_len,
                                  time.perf_counter())
         return draft
+
+    def _model_round_allowed(self) -> bool:
+        """False while the draft link backs off after a failure. Each such round uses one backoff round up, as
+        `ModelDrafter.propose` does: a round that never asked the model would leave it locked out for good."""
+        link = getattr(self.model, "link", None)
+        return link.round_allowed() if link is not None else getattr(self.model, "skip_rounds", 0) == 0
 
     def prefetch(self, context_ids: list[int], draft: Draft, num_tokens: int) -> None:
         """The draft service continues only its own chain (not the suffix branches beside it)."""

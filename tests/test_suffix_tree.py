@@ -5,16 +5,19 @@ the per-round choice between proposers."""
 from __future__ import annotations
 
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gateway.draft_link import DraftLink
 from gateway.drafters import Draft
 from gateway.suffix_choice import GLOBAL, LOCAL, MODEL, NONE, PROBE_EVERY, ProposerChoice, depths
 from gateway.suffix_drafter import with_branches
 from gateway.suffix_index import ContextIndex
 from gateway.suffix_tree import CountNode, accepted_nodes, merge_tries, speculate, trie_from_continuations
+from gateway.tiers import DraftTiers, TierSettings
 from protos.specmesh.v1 import common_pb2
 from specmesh.rejection import SparseDist
 
@@ -188,3 +191,33 @@ def test_choice_learns_what_each_drafted_token_costs_to_verify() -> None:
         choice.observe_cost(GLOBAL, 0.0)
     assert steep.choose(options) == GLOBAL
     assert flat.choose(options) == LOCAL
+
+
+class _BackingOffModel:
+    """A draft model whose link failed: `link.backoff_rounds` rounds without model drafts, then it drafts."""
+
+    def __init__(self, backoff_rounds: int) -> None:
+        self.link = DraftLink()
+        self.link.backoff_rounds = backoff_rounds
+        self.num_calls = self.num_prefetch_hits = self.bytes_sent = self.bytes_received = 0
+
+    @property
+    def skip_rounds(self) -> int:
+        return self.link.backoff_rounds
+
+    async def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
+        self.num_calls += 1
+        return Draft([7] * num_tokens, None, common_pb2.DRAFT_SOURCE_MODEL)
+
+
+async def test_suffix_drafting_gives_the_model_back_after_a_draft_link_backoff() -> None:
+    """Regression: the suffix proposer never asked a backing-off model, so its backoff never ran down and one draft
+    service failure left the rest of the request undrafted (seen as 30 target-only rounds on a code prompt)."""
+    model = _BackingOffModel(backoff_rounds=3)
+    tiers = DraftTiers(TierSettings(vocab_size=512, suffix_drafting=True), None)
+    drafter = tiers.drafter(SimpleNamespace(prompt_ids=[1, 2, 3], max_new_tokens=64), model, "t")  # type: ignore
+    for _ in range(3):
+        assert not (await drafter.propose([1, 2, 3, 9], 4)).token_ids
+    assert model.num_calls == 0 and model.skip_rounds == 0
+    draft = await drafter.propose([1, 2, 3, 9], 4)
+    assert model.num_calls == 1 and draft.token_ids == [7, 7, 7, 7]
