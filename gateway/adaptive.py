@@ -86,7 +86,7 @@ def expected_tokens(position_acceptance: list[float], k: int) -> float:
     return total
 
 
-class DecayedLine:
+class _DecayedLine:
     """Decayed least-squares fit t = v0 + v1 * k, with a prior relative slope when k has no spread."""
 
     def __init__(self, decay: float, rel_slope: float) -> None:
@@ -122,7 +122,7 @@ class DraftLengthController:
         self._succ = [0.0] * max_k
         self._fail = [0.0] * max_k
         self._draft_time = self._draft_tokens = 0.0
-        self._verify = DecayedLine(self.params.decay, self.params.verify_rel_slope)
+        self._verify = _DecayedLine(self.params.decay, self.params.verify_rel_slope)
         self._rtt: float | None = None
         self._queue = self._batch = 0.0
         self._load_seen = False

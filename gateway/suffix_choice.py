@@ -4,10 +4,8 @@ Per request, on plain floats (no clock: the caller passes measured seconds). For
 
     rate = (1 + expected accepted draft tokens) / (verify(n) + cost)
 
-where the 1 is the token every verify emits, n is the draft's size, verify(n) = v0 + v1 * n is a decayed least-squares
-line through this request's measured (n, verify seconds) (`adaptive.DecayedLine`: int4 on AVX2 measures v1 ~ 0.19 v0,
-int8 far less, so the slope is learned, with VERIFY_SLOPE only as the prior while one size was seen), and cost the
-proposer's own
+where the 1 is the token every verify emits, n is the draft's size, verify(n) = base * (1 + VERIFY_SLOPE * n) with
+`base` a decayed average of the measured verify times (normalized by the same factor), and cost the proposer's own
 decayed average time per round (a local suffix lookup ~0, the shared store one Redis round trip, the draft model
 its compute plus the link's round trip; a prefetched model block costs what waiting for it cost).
 
@@ -23,12 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.adaptive import DecayedLine, DraftLengthController, expected_tokens
+from gateway.adaptive import DraftLengthController, expected_tokens
 from gateway.suffix_tree import Proposal
 
 LOCAL, GLOBAL, MODEL, NONE = "local", "global", "model", "none"
 DECAY = 0.85                 # weight an old observation keeps per new one
-VERIFY_SLOPE = 0.1           # prior: extra verify time per drafted token, relative to a one-token verify
+VERIFY_SLOPE = 0.1           # extra verify time per drafted token, relative to a one-token verify
 PRIOR_VERIFY_S = 0.15        # before any verify was measured (a CPU verify of the real pair: ~150-215 ms)
 PROBE_EVERY = 16             # rounds a drafting proposer may go unchosen before it gets one round
 MAX_MODEL_K = 64
@@ -53,7 +51,7 @@ class _Decayed:
 
 class ProposerChoice:
     def __init__(self) -> None:
-        self._verify = DecayedLine(DECAY, VERIFY_SLOPE)
+        self._verify_base = _Decayed(PRIOR_VERIFY_S, 1.0)
         self._cost: dict[str, _Decayed] = {}
         self._calibration = {p: _Calibration() for p in (LOCAL, GLOBAL)}
         self.model = DraftLengthController(max_k=MAX_MODEL_K, initial_k=0)
@@ -61,8 +59,7 @@ class ProposerChoice:
 
     # ------------------------------------------------------------------ estimates
     def verify_s(self, num_tokens: int) -> float:
-        seconds = self._verify(num_tokens)
-        return PRIOR_VERIFY_S * (1 + VERIFY_SLOPE * num_tokens) if seconds is None else seconds
+        return self._verify_base.mean * (1 + VERIFY_SLOPE * num_tokens)
 
     def cost_s(self, proposer: str, num_tokens: int) -> float:
         """Unmeasured = free: a proposer is tried before its cost is known (optimism under uncertainty)."""
@@ -100,7 +97,7 @@ class ProposerChoice:
         self._cost.setdefault(proposer, _Decayed(0.0, 0.0)).add(max(0.0, seconds))
 
     def observe_verify(self, num_tokens: int, seconds: float) -> None:
-        self._verify.add(num_tokens, max(0.0, seconds))
+        self._verify_base.add(max(0.0, seconds) / (1 + VERIFY_SLOPE * num_tokens))
 
     def observe_suffix(self, proposer: str, proposal: Proposal, accepted_nodes: list[int]) -> None:
         """A verified suffix proposal and the indices of its nodes on the accepted path."""

@@ -177,22 +177,6 @@ def test_choice_probes_an_unchosen_proposer() -> None:
     assert picks[MODEL] == 3 and picks[LOCAL] == 3 * PROBE_EVERY
 
 
-def test_choice_learns_what_each_drafted_token_costs_to_verify() -> None:
-    steep, flat = ProposerChoice(), ProposerChoice()
-    for n in (1, 4, 8, 2, 6, 12):
-        steep.observe_verify(n, 0.10 + 0.04 * n)          # int4 on AVX2: an extra token ~ 40% of a 1-token verify
-        flat.observe_verify(n, 0.10 + 0.002 * n)          # a verifier whose extra tokens are nearly free
-    assert steep.verify_s(16) == pytest.approx(0.10 + 0.04 * 16, rel=1e-6)
-    assert flat.verify_s(16) == pytest.approx(0.10 + 0.002 * 16, rel=1e-6)
-    # 16 free suffix tokens expected to yield 2.2 against 3 yielding 1.5: only worth it where extra tokens are cheap
-    options = {LOCAL: (2.2, 16), GLOBAL: (1.5, 3)}
-    for choice in (steep, flat):
-        choice.observe_cost(LOCAL, 0.0)
-        choice.observe_cost(GLOBAL, 0.0)
-    assert steep.choose(options) == GLOBAL
-    assert flat.choose(options) == LOCAL
-
-
 class _BackingOffModel:
     """A draft model whose link failed: `link.backoff_rounds` rounds without model drafts, then it drafts."""
 
