@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
-from specmesh.engine.cpu_build import KernelUnavailable, load
-
-log = logging.getLogger(__name__)
+from specmesh.engine.cpu_build import load_optional
 
 SOURCE = Path(__file__).with_name("attention_kernel.c")
 _P = ctypes.c_void_p
@@ -26,10 +23,8 @@ HEAD_TILE = 6           # as in the C file: query heads per KV head done togethe
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernel, or None (logged once) where it cannot be built or run."""
-    try:
-        lib = load(SOURCE)
-    except KernelUnavailable as err:
-        log.warning("paged attention kernel unavailable, using per-row SDPA: %s", err)
+    lib = load_optional(SOURCE, "using per-row SDPA")
+    if lib is None:
         return None
     lib.sm_paged_attention.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P]
     lib.sm_paged_attention.restype = None

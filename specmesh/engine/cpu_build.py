@@ -63,6 +63,16 @@ def load(source: Path, cflags: tuple[str, ...] = AVX2_CFLAGS) -> ctypes.CDLL:
     return lib
 
 
+def load_optional(source: Path, fallback: str) -> ctypes.CDLL | None:
+    """`load(source)`, or None (logged once per caller, as a warning naming `fallback`) where it cannot be built or
+    run: for kernels the engine can do without."""
+    try:
+        return load(source)
+    except KernelUnavailable as err:
+        log.warning("%s unavailable, %s: %s", source.name, fallback, err)
+        return None
+
+
 if __name__ == "__main__":
     for kernel in sorted(Path(__file__).parent.glob("*_kernel.c")):
         print(library_path(kernel))

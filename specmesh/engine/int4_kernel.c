@@ -357,17 +357,17 @@ void sm_int4_linear(const float *x, int64_t m, int64_t k, const uint8_t *wq, con
     static __thread unsigned char *scratch;
     static __thread size_t capacity;
     const size_t xq_bytes = ((size_t)(m * k) + 63) & ~(size_t)63;
-    const size_t need = xq_bytes + sizeof(float) * (size_t)(m + m * (k / 32));
+    const size_t need = xq_bytes + sizeof(float) * (size_t)(m + m * (k / GROUP));
     if (need > capacity) {
         free(scratch);
         scratch = aligned_alloc(64, (need + 63) & ~(size_t)63);
-        capacity = scratch ? need : 0;
         if (!scratch) abort();
+        capacity = need;
     }
     int8_t *xq = (int8_t *)scratch;
     float *row_scale = (float *)(scratch + xq_bytes), *xsum = row_scale + m;
     sm_quantize_rows(x, m, k, xq, row_scale, xsum);
-    sm_int4_matmul_mt(xq, row_scale, xsum, m, k, wq, scales, mins, bias, n, 0, n / 8, y, threads);
+    sm_int4_matmul_mt(xq, row_scale, xsum, m, k, wq, scales, mins, bias, n, 0, n / LANES, y, threads);
 }
 
 int sm_cpu_supported(void) {

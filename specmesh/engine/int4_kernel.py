@@ -26,12 +26,6 @@ __all__ = ["GROUP", "ISAS", "LANES", "KernelUnavailable", "instruction_set", "li
 def library() -> ctypes.CDLL:
     """The loaded kernel, built on first use. Raises KernelUnavailable with the reason."""
     lib = load(SOURCE)
-    lib.sm_quantize_rows.argtypes = [_P, _I, _I, _P, _P, _P]
-    lib.sm_quantize_rows.restype = None
-    lib.sm_int4_matmul.argtypes = [_P, _P, _P, _I, _I, _P, _P, _P, _P, _I, _I, _I, _P]
-    lib.sm_int4_matmul.restype = None
-    lib.sm_int4_matmul_mt.argtypes = [_P, _P, _P, _I, _I, _P, _P, _P, _P, _I, _I, _I, _P, ctypes.c_int]
-    lib.sm_int4_matmul_mt.restype = None
     lib.sm_int4_linear.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _P, ctypes.c_int]
     lib.sm_int4_linear.restype = None
     lib.sm_set_isa.argtypes = [ctypes.c_int]

@@ -23,17 +23,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specmesh.engine.cpu_build import KernelUnavailable, load
+from specmesh.engine.cpu_build import load_optional
 from specmesh.engine.paged_attention import PagedBatch, attend
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decoder_kernel.c")
 _P = ctypes.c_void_p
@@ -42,10 +39,8 @@ _I = ctypes.c_int64
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    try:
-        lib = load(SOURCE)
-    except KernelUnavailable as err:
-        log.warning("decoder kernel unavailable, using transformers' forward: %s", err)
+    lib = load_optional(SOURCE, "using transformers' forward")
+    if lib is None:
         return None
     lib.sm_add_rms_norm.argtypes = [_P, _P, _P, _I, _I, ctypes.c_float, _P]
     lib.sm_add_rms_norm.restype = None
@@ -126,6 +121,7 @@ class Qwen2Decoder:
         self.scaling = self.head_dim ** -0.5
         self.eps = cfg.rms_norm_eps
         self.rope = RopeTable(self.inner.rotary_emb, self.head_dim)
+        self.fused = is_fused(model)            # fused projections (built by build.py), else the model's own three
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, max_position: int, batch: PagedBatch,
                 keep: torch.Tensor) -> torch.Tensor:
@@ -154,10 +150,7 @@ class Qwen2Decoder:
     def _attention(self, index: int, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    batch: PagedBatch) -> torch.Tensor:
         attn = layer.self_attn
-        if hasattr(attn, "qkv_proj"):
-            qkv = attn.qkv_proj(x)
-        else:
-            qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+        qkv = attn.qkv_proj(x) if self.fused else torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], -1)
         qkv = qkv.contiguous()                                                      # [T, (H + 2 kvH) D]
         rows = qkv.shape[0]
         query = torch.empty(rows, self.num_heads, self.head_dim)
@@ -168,9 +161,8 @@ class Qwen2Decoder:
         out = attend(batch, index, query, self.scaling)                             # [T, H, D]
         return attn.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
 
-    @staticmethod
-    def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(mlp, "gate_up_proj"):
+    def _mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
             gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = mlp.gate_proj(x), mlp.up_proj(x)
