@@ -186,19 +186,23 @@ class ModelDrafter:
         if pre is None:
             return None
         end = pre.context_len + len(pre.draft_ids)
-        if num_tokens <= 0 or len(context_ids) != end + 1 or context_ids[pre.context_len:end] != pre.draft_ids:
+        if num_tokens <= 0 or len(context_ids) <= end or context_ids[pre.context_len:end] != pre.draft_ids:
             return None
         try:
             response = await pre.task
         except grpc.aio.AioRpcError:
             return None
-        guessed = len(response.draft_token_ids) > 0 and response.draft_token_ids[0] == context_ids[-1]
+        # The target's tokens after the block: its own token, then any it decoded ahead (a greedy verifier's). The
+        # prefetch drafted its guess of the first and a block after it: usable past however many of them it got right.
+        target_ids = context_ids[end:]
+        guessed_ids = list(response.draft_token_ids[:len(target_ids)])
+        guessed = guessed_ids == target_ids
         if self.outcomes is not None:
-            self.outcomes.observe_bonus(guessed)
-        if len(response.draft_token_ids) < 2 or not guessed:
+            self.outcomes.observe_bonus(guessed_ids[:1] == target_ids[:1])
+        if len(response.draft_token_ids) <= len(target_ids) or not guessed:
             return None
         self.num_prefetch_hits += 1
-        return _to_draft(response, 1, num_tokens)
+        return _to_draft(response, len(target_ids), num_tokens)
 
     @property
     def prefetching(self) -> bool:

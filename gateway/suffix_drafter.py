@@ -46,6 +46,7 @@ class _Round:
     draft: Draft
     model_len: int                   # the draft model's chain: the draft's first model_len nodes
     sent_at: float                   # perf_counter when the draft left for the verifier
+    num_output: int                  # output tokens before the round (its accepted drafts come right after)
 
 
 class SuffixDrafter(TieredDrafter):
@@ -88,7 +89,7 @@ class SuffixDrafter(TieredDrafter):
         self.tiers.stats.tree_drafts += draft.parents is not None and with_suffix_nodes
         if best is not None and draft.token_ids:
             self._round = _Round(best, suffix_from, proposals[suffix_from], draft, model_len,
-                                 time.perf_counter())
+                                 time.perf_counter(), len(context_ids) - len(self.prompt_ids))
         return draft
 
     def _model_round_allowed(self) -> bool:
@@ -145,7 +146,8 @@ class SuffixDrafter(TieredDrafter):
         """Feeds the round's measurements to the choice: verify time, and acceptance of what each part drafted."""
         verify_s = time.perf_counter() - done.sent_at
         self.choice.observe_verify(len(done.draft.token_ids), verify_s)
-        accepted_ids = output_ids[len(output_ids) - num_accepted - 1:len(output_ids) - 1]
+        # (a verifier that decoded ahead may send more than one target token after the accepted drafts)
+        accepted_ids = output_ids[done.num_output:done.num_output + num_accepted]
         if done.proposer == MODEL:
             chain = done.draft.token_ids[:done.model_len]
             self.choice.observe_model(len(chain), common_prefix_len(chain, accepted_ids),

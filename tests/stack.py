@@ -37,9 +37,10 @@ class Running:
             self.engine.stop()
 
 
-async def start_verifier(model: str = "tiny-target", **engine: object) -> Running:
-    config = VerifierConfig(port=0, engine=dataclasses.replace(EngineConfig(model=model, kv_cache_memory_mb=16),
-                                                               **engine))
+async def start_verifier(model: str = "tiny-target", decode_ahead_tokens: int = VerifierConfig.decode_ahead_tokens,
+                         **engine: object) -> Running:
+    config = VerifierConfig(port=0, decode_ahead_tokens=decode_ahead_tokens,
+                            engine=dataclasses.replace(EngineConfig(model=model, kv_cache_memory_mb=16), **engine))
     server, eng = build_verifier(config)
     return Running(server, await server.start("127.0.0.1", 0), eng)
 

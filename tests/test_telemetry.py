@@ -48,7 +48,10 @@ async def stack(tmp_path_factory):
     for exporter in (memory, span_file):          # the three services share this process's TracerProvider
         add_exporter(exporter, "specmesh-test", batch=False)
     engine = EngineConfig(kv_cache_memory_mb=16)
-    v_server, v_engine = build_verifier(VerifierConfig(port=0, engine=engine, telemetry=metrics_config()))
+    # No decoding ahead: a verdict the verifier already holds would leave the gateway's prefetched draft unused,
+    # and the test counts one Propose per model round.
+    v_server, v_engine = build_verifier(VerifierConfig(port=0, engine=engine, telemetry=metrics_config(),
+                                                       decode_ahead_tokens=0))
     verifier = Running(v_server, await v_server.start("127.0.0.1", 0), v_engine)
     d_server, d_engine = build_draft(DraftConfig(port=0, engine=EngineConfig(model="tiny-draft", kv_cache_memory_mb=16),
                                                  telemetry=metrics_config()))

@@ -9,6 +9,11 @@ forward with an ancestor mask (`ForwardItem.tree_parents`); all n + 1 tokens nee
 splits them. Node i's KV lands in the slot of its index (position len(token_ids) + i). After sampling, the accepted
 path's KV is moved to contiguous positions (`ModelRunner.move_kv`), and the usual truncate drops the rest, so the
 block manager sees exactly what a chain verify would leave.
+
+Decoding ahead (`verifier_service/ahead.py`): when no verify is waiting, idle greedy sessions decode the target's
+own next tokens, up to `max_ahead_tokens` past what the caller has received (`Session.num_delivered`). Those tokens
+join `token_ids` like any verified token (they are exactly what target-only greedy decoding emits); the next verify
+checks its drafts against them first and leaves with all of them, so the target never waits for a draft.
 """
 
 from __future__ import annotations
@@ -16,11 +21,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 from opentelemetry.trace import SpanContext
+from prometheus_client import Counter
 
 from specmesh.engine.batched import BatchedEngine
 from specmesh.engine.batched_rejection import greedy_accept
@@ -32,6 +38,7 @@ from specmesh.rejection import SparseDist, rejection_sample
 from specmesh.sampling import SamplingParams, logits_to_probs, make_generator
 from specmesh.tree import keep_shallow
 from specmesh.tree_rejection import tree_rejection_sample, verify_tree_greedy
+from verifier_service.ahead import match_ahead
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +49,11 @@ class Session:
     seq: SeqState
     params: SamplingParams
     generator: torch.Generator
+    max_len: int                 # prompt + max_new_tokens: no token past it is decoded ahead
     busy: bool = False           # a request of this session is queued or running
     started: bool = False        # its first token was sampled
+    num_delivered: int = 0       # token_ids[:num_delivered] were sent to the caller; the rest were decoded ahead
+    drafting: bool = False       # its last verify carried drafts (its caller is likely drafting now)
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,7 @@ class _Start:
     params: SamplingParams
     done: Completion
     deadline: float | None = None
+    max_new_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,23 @@ class _Drafts:
     dists: list[SparseDist] | None
     parents: list[int] | None = None
     node_indices: list[int] | None = None      # kept node -> its index in the request (nodes past the context drop)
+    ahead_path: tuple[int, ...] = ()           # request nodes already accepted against tokens decoded ahead
+    is_ahead_step: bool = False                # no caller: one token decoded ahead (greedy)
+
+
+class _NoCaller:
+    """The completion of a decode-ahead step: nobody waits for it."""
+
+    span_context = None
+
+    def set_result(self, value: object) -> None:
+        pass
+
+    def set_exception(self, exc: BaseException) -> None:
+        pass
+
+
+_AHEAD_STEP = _Drafts(None, is_ahead_step=True)
 
 
 @dataclass(frozen=True)
@@ -91,9 +119,24 @@ class _End:
 
 class VerifierEngine(BatchedEngine):
     def __init__(self, runner: ModelRunner, block_manager: BlockManager, max_model_len: int,
-                 max_num_batched_tokens: int, max_num_seqs: int, max_queue_len: int, num_threads: int) -> None:
+                 max_num_batched_tokens: int, max_num_seqs: int, max_queue_len: int, num_threads: int,
+                 max_ahead_tokens: int = 0, eos_token_ids: Iterable[int] = ()) -> None:
         super().__init__("verifier-engine", runner, block_manager, max_num_batched_tokens, max_num_seqs, num_threads)
         self.max_model_len = max_model_len
+        self.max_ahead_tokens = max_ahead_tokens   # 0: never decode ahead
+        self.ahead_threads = 0                     # torch threads of a step that only decodes ahead; 0 = as any step
+        self._ahead_beside_drafts = False          # the step only decodes ahead, for a session that drafts
+        self._ahead_stalled = False                # the last ahead step could run none: wait for a message
+        # Set from the event loop when a message that needs a forward arrives: a step that only decodes ahead then
+        # gives way between layers (see interrupt_check).
+        self._urgent = False
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.num_ahead_decoded = 0                 # tokens decoded ahead, and of them the ones a caller received
+        self.num_ahead_delivered = 0
+        self.ahead_tokens = Counter("specmesh_verifier_ahead_tokens", "Tokens the verifier decoded ahead of its "
+                                    "callers (decoded), and of them the ones a caller received (delivered)",
+                                    ["outcome"], registry=self.metrics.registry)
+        self._no_caller = _NoCaller()
         self.max_queue_len = max_queue_len
         self.max_num_sessions = max_num_seqs * 4
         self.sessions: dict[str, Session] = {}
@@ -102,24 +145,40 @@ class VerifierEngine(BatchedEngine):
 
     # ---- called from the event loop ---------------------------------------------------------------------------
     def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
-                      deadline: float | None = None) -> Completion:
-        """deadline: time.monotonic() after which the work is dropped (DEADLINE_EXCEEDED) if not yet run."""
+                      deadline: float | None = None, max_new_tokens: int = 0) -> Completion:
+        """deadline: time.monotonic() after which the work is dropped (DEADLINE_EXCEEDED) if not yet run;
+        max_new_tokens: the most the caller will take (0 = up to the context length), a bound on decoding ahead."""
         done = Completion()
-        self.post(_Start(session_id, prompt_ids, params, done, deadline))
+        self._urgent = True
+        self.post(_Start(session_id, prompt_ids, params, done, deadline, max_new_tokens))
         return done
 
     def verify(self, session_id: str, draft_ids: list[int], draft_dists: list[SparseDist] | None,
                deadline: float | None = None, draft_parents: list[int] | None = None) -> Completion:
         """draft_parents: a token tree over draft_ids (validated by the caller; None = chain)."""
         done = Completion()
+        if draft_ids and not self._settled_ahead(session_id, draft_ids, draft_parents):
+            self._urgent = True
         self.post(_Verify(session_id, draft_ids, draft_dists, done, deadline, draft_parents))
         return done
+
+    def _settled_ahead(self, session_id: str, draft_ids: list[int], draft_parents: list[int] | None) -> bool:
+        """Whether the tokens the session has decoded ahead so far settle this verify without a forward. Read from
+        the event loop while the engine thread may add a token: a stale answer only decides whether a forward that
+        merely decodes ahead gives way to this verify."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            return False
+        ahead_ids = session.seq.token_ids[session.num_delivered:]
+        return bool(ahead_ids) and match_ahead(ahead_ids, draft_ids, draft_parents).resolved
 
     def end_session(self, session_id: str) -> None:
         self.post(_End(session_id))
 
     # ---- engine thread ----------------------------------------------------------------------------------------
     def handle(self, message: _Start | _Verify | _End) -> None:
+        self._ahead_stalled = False
+        self._urgent = False
         try:
             if isinstance(message, _Start):
                 self._handle_start(message)
@@ -150,7 +209,9 @@ class VerifierEngine(BatchedEngine):
             raise EngineError("INVALID_ARGUMENT", f"prompt has {len(msg.prompt_ids)} tokens; the context holds "
                               f"{self.max_model_len}")
         seq = SeqState(next(self._seq_ids), list(msg.prompt_ids), num_verified=len(msg.prompt_ids))
-        session = Session(msg.session_id, seq, msg.params, make_generator(msg.params.seed))
+        max_len = len(msg.prompt_ids) + msg.max_new_tokens if msg.max_new_tokens > 0 else self.max_model_len
+        session = Session(msg.session_id, seq, msg.params, make_generator(msg.params.seed), max_len,
+                          num_delivered=len(msg.prompt_ids))
         self._enqueue(session, [], _Drafts(None), msg.done, msg.deadline)
         self.sessions[msg.session_id] = session
 
@@ -161,6 +222,11 @@ class VerifierEngine(BatchedEngine):
             raise EngineError("NOT_FOUND", f"unknown session {msg.session_id}")
         if session.busy:
             raise EngineError("FAILED_PRECONDITION", f"session {msg.session_id} already has a verify in flight")
+        self.scheduler.check_fits(len(msg.draft_ids) + 1)     # refused alike whether or not it needs a forward
+        session.drafting = bool(msg.draft_ids)
+        if len(session.seq.token_ids) > session.num_delivered:
+            self._verify_after_ahead(session, msg)
+            return
         room = self.max_model_len - len(session.seq.token_ids)
         if room <= 0:
             raise EngineError("OUT_OF_RANGE", f"session {msg.session_id} reached the context length")
@@ -172,6 +238,28 @@ class VerifierEngine(BatchedEngine):
         dists = [msg.draft_dists[i] for i in kept] if msg.draft_dists else None
         self._enqueue(session, [msg.draft_ids[i] for i in kept], _Drafts(dists, parents, kept), msg.done,
                       msg.deadline)
+
+    def _verify_after_ahead(self, session: Session, msg: _Verify) -> None:
+        """The session decoded ahead of the caller (greedy only): the drafts meet those tokens first. Either that
+        settles the verdict (answered at once, with every token decoded ahead) or the drafts below them are verified
+        from the last one. Greedy verification reads no draft probabilities, so none are passed on."""
+        seq = session.seq
+        ahead_ids = seq.token_ids[session.num_delivered:]
+        match = match_ahead(ahead_ids, msg.draft_ids, msg.draft_parents)
+        if match.resolved:
+            self._deliver(session, len(ahead_ids))
+            msg.done.set_result(VerifyResult(ahead_ids, len(match.path), tuple(match.path),
+                                              num_batch_tokens=0, num_waiting=self.scheduler.num_waiting))
+            return
+        room = self.max_model_len - len(seq.token_ids)
+        if room <= 0:
+            raise EngineError("OUT_OF_RANGE", f"session {msg.session_id} reached the context length")
+        kept = list(range(len(match.rest_ids)))[:room]
+        parents = match.rest_parents
+        if parents is not None:
+            kept, parents = keep_shallow(parents, room)
+        drafts = _Drafts(None, parents, [match.rest_indices[i] for i in kept], tuple(match.path))
+        self._enqueue(session, [match.rest_ids[i] for i in kept], drafts, msg.done, msg.deadline)
 
     def _enqueue(self, session: Session, draft_ids: list[int], drafts: _Drafts,
                  done: Completion, deadline: float | None) -> None:
@@ -190,6 +278,61 @@ class VerifierEngine(BatchedEngine):
     def idle_seqs(self) -> Iterable[SeqState]:
         return (s.seq for s in self.sessions.values() if not s.busy)
 
+    # ---- decoding ahead ---------------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.num_waiting > 0 or (not self._ahead_stalled and bool(self._ahead_sessions()))
+
+    def step(self) -> None:
+        """With no verify waiting, idle greedy sessions decode one token ahead each (one batched forward). Their
+        requests never outlive the step, so a verify arriving next finds none of them queued."""
+        ahead = [] if self.scheduler.num_waiting else self._ahead_sessions()
+        self._ahead_beside_drafts = any(s.drafting for s in ahead)
+        requests = [ForwardRequest(s.seq, [], 1, (s, _AHEAD_STEP, self._no_caller)) for s in ahead]
+        for request in requests:                    # (not `busy`: a verify arriving next finds none of them)
+            self.scheduler.enqueue(request)
+        try:
+            super().step()
+        finally:
+            unscheduled = [r for r in requests if self.scheduler.remove(r)]     # no KV room: never mind
+            # none could run: wait for the next message rather than spin on them
+            self._ahead_stalled = bool(requests) and len(unscheduled) == len(requests)
+
+    def interrupt_check(self, batch: list[ScheduledItem]) -> Callable[[], bool] | None:
+        """A step that only decodes ahead gives way to a start or a verify that needs a forward."""
+        if not batch or not all(item.request.payload[1].is_ahead_step for item in batch):
+            return None
+        return lambda: self._urgent
+
+    def interrupted(self, request: ForwardRequest) -> None:
+        pass                                        # only steps that decode ahead give way: nobody waits for them
+
+    def threads_for(self, num_tokens: int) -> int:
+        """A step that only decodes ahead while a draft is being made runs on `ahead_threads` (when set): on a host
+        shared with the draft service, the draft's core stays free while the verifier merely gets ahead."""
+        if self._ahead_beside_drafts and self.ahead_threads > 0:
+            return self.ahead_threads
+        return super().threads_for(num_tokens)
+
+    def _ahead_sessions(self) -> list[Session]:
+        """Sessions that may decode one more token ahead now: greedy, idle, KV up to date, under the ahead limit and
+        their token budget, last token not an end of sequence. Never more than the free KV blocks allow without
+        preempting anybody (a quarter of the pool stays free for verifies)."""
+        if self.max_ahead_tokens <= 0:
+            return []
+        bm = self.block_manager
+        room = bm.num_free_blocks - bm.num_blocks // 4
+        out: list[Session] = []
+        for s in self.sessions.values():
+            seq, n = s.seq, len(s.seq.token_ids)
+            if room <= 0:
+                break
+            if (s.started and not s.busy and s.params.is_greedy and seq.allocated and seq.num_computed == n - 1
+                    and n - s.num_delivered < self.max_ahead_tokens and n < min(s.max_len, self.max_model_len)
+                    and seq.token_ids[-1] not in self.eos_token_ids):
+                out.append(s)
+                room -= bm.num_blocks_needed(n) - len(bm.block_table(seq.seq_id))
+        return out
+
     def _forward_item(self, item: ScheduledItem) -> ForwardItem:
         forward_item = super()._forward_item(item)
         parents = item.request.payload[1].parents
@@ -201,6 +344,11 @@ class VerifierEngine(BatchedEngine):
         """logits [n+1, V] for the pending token and the n drafts (chain or tree nodes)."""
         session, drafts, done = req.payload
         seq = session.seq
+        if drafts.is_ahead_step:
+            self._commit(session, self.argmax_rows(req)[:1], 0)
+            self.num_ahead_decoded += 1
+            self.ahead_tokens.labels("decoded").inc()
+            return
         if drafts.parents is None:
             emitted = self._sample(req, session, logits, drafts.dists)
             accepted = list(range(len(emitted) - 1))
@@ -208,18 +356,32 @@ class VerifierEngine(BatchedEngine):
             accepted, final = self._sample_tree(session, logits, req.extra_ids, drafts)
             self._keep_path(seq, accepted)
             emitted = [req.extra_ids[i] for i in accepted] + [final]
+        if drafts.node_indices is not None:
             accepted = [drafts.node_indices[i] for i in accepted]
-        num_accepted = len(emitted) - 1
         num_cached = 0 if session.started else seq.num_cached_tokens
         session.started = True
-        # KV now holds every verified token plus the accepted drafts; the new target token has none yet.
+        first_new = session.num_delivered
+        self._commit(session, emitted, len(emitted) - 1)
+        self._deliver(session, len(drafts.ahead_path))
+        path = list(drafts.ahead_path) + accepted
+        done.set_result(VerifyResult(seq.token_ids[first_new:], len(path), tuple(path), num_cached,
+                                     self.num_batch_tokens, self.scheduler.num_waiting))
+
+    def _commit(self, session: Session, emitted: list[int], num_accepted: int) -> None:
+        """KV now holds every verified token plus the accepted drafts; the new target token has none yet."""
+        seq = session.seq
         seq.num_computed = len(seq.token_ids) + num_accepted
         seq.token_ids.extend(emitted)
         seq.num_verified = len(seq.token_ids)
         self.scheduler.commit(seq)
         session.busy = False
-        done.set_result(VerifyResult(emitted, num_accepted, tuple(accepted), num_cached, self.num_batch_tokens,
-                                     self.scheduler.num_waiting))
+
+    def _deliver(self, session: Session, num_ahead: int) -> None:
+        """Every token of the session goes to the caller now, `num_ahead` of them decoded ahead."""
+        self.num_ahead_delivered += num_ahead
+        if num_ahead:
+            self.ahead_tokens.labels("delivered").inc(num_ahead)
+        session.num_delivered = len(session.seq.token_ids)
 
     def _keep_path(self, seq: SeqState, accepted: list[int]) -> None:
         """Move the accepted nodes' KV from the slots of their tree index to contiguous positions.
@@ -250,12 +412,14 @@ class VerifierEngine(BatchedEngine):
         draft_dists = dists if dists else [SparseDist((t,), (1.0,)) for t in draft_ids]
         return rejection_sample(target_probs, draft_ids, draft_dists, session.generator)
 
-    def span_context(self, req: ForwardRequest) -> SpanContext:
+    def span_context(self, req: ForwardRequest) -> SpanContext | None:
         return req.payload[2].span_context
 
     def fail(self, req: ForwardRequest, exc: EngineError) -> None:
         session = req.payload[0]
         req.payload[2].set_exception(exc)
         session.busy = False
+        if req.payload[1].is_ahead_step:     # nobody asked for it: the session goes on (its KV is recomputed)
+            return
         if self.sessions.get(session.session_id) is session:
             self._close(session.session_id, exc)

@@ -22,8 +22,10 @@ def build_verifier(config: VerifierConfig) -> tuple[ServiceServer, VerifierEngin
     parts = build_engine_parts(config.engine)
     engine = VerifierEngine(parts.runner, parts.block_manager, parts.max_model_len,
                             config.engine.max_num_batched_tokens, config.engine.max_num_seqs,
-                            config.engine.max_queue_len, config.engine.num_threads)
+                            config.engine.max_queue_len, config.engine.num_threads, config.decode_ahead_tokens,
+                            parts.loaded.eos_token_ids)
     engine.set_thread_policy(config.engine.num_threads_max, config.engine.max_threads_min_tokens)
+    engine.ahead_threads = config.decode_ahead_threads
     leases = SessionLeases(config.session_lease_s)
     servicer = VerifierServicer(engine, parts.loaded.name, parts.loaded.model.config.vocab_size,
                                 parts.loaded.eos_token_ids, leases, config.max_draft_tokens)

@@ -7,13 +7,14 @@ the step goes on; a crash of the forward itself fails only the requests in that 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from opentelemetry.trace import SpanContext
 
 from specmesh.engine.block_manager import BlockManager
+from specmesh.engine.errors import ForwardInterrupted
 from specmesh.engine.loop import EngineError, EngineThread
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
 from specmesh.engine.scheduler import ForwardRequest, ScheduledItem, Scheduler, SeqState
@@ -71,6 +72,15 @@ class BatchedEngine(EngineThread):
     def fail(self, request: ForwardRequest, exc: EngineError) -> None:
         raise NotImplementedError
 
+    def interrupt_check(self, batch: list[ScheduledItem]) -> Callable[[], bool] | None:
+        """A check the forward of `batch` asks between layers: True abandons it (see `interrupted`). None: never."""
+        return None
+
+    def interrupted(self, request: ForwardRequest) -> None:
+        """A request whose forward was abandoned: out of the queue already, its KV as before the forward (the
+        scheduler drops the slots it reserved when the sequence runs next)."""
+        raise NotImplementedError
+
     def span_context(self, request: ForwardRequest) -> SpanContext | None:
         """The span of the caller that submitted the request: the forward's span links to it."""
         return None
@@ -87,9 +97,14 @@ class BatchedEngine(EngineThread):
         threads = self.threads_for(self.num_batch_tokens)
         if threads != torch.get_num_threads():       # the engine thread's own setting (int8 logits do not change)
             torch.set_num_threads(threads)
+        self.runner.interrupt = self.interrupt_check(batch)
         try:
             with forward_span(self._name, self.metrics, batch, links):
                 logits = self.runner.forward_flat(items)
+        except ForwardInterrupted:     # gave way to more urgent work: as if it never ran
+            for item in batch:
+                self.interrupted(item.request)
+            return
         except Exception as exc:       # the forward crashed: fail its batch, not the requests still queued
             log.exception("%s forward failed", self._name)
             for item in batch:

@@ -9,3 +9,7 @@ class EngineError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class ForwardInterrupted(Exception):
+    """A forward gave way between layers to more urgent work (its results are dropped; see ModelRunner.interrupt)."""

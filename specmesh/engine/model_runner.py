@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
+from specmesh.engine.errors import ForwardInterrupted
 from specmesh.engine.int4_linear import Int4GroupLinear, kernel_threads
 from specmesh.engine.paged_attention import ATTN_IMPLEMENTATION, PagedBatch, PagedKVCache, SeqSlice
 from specmesh.engine.qwen2_decoder import Qwen2Decoder, is_fused, supports
@@ -54,6 +55,9 @@ class ModelRunner:
             raise ValueError("a model with fused projections runs only on specmesh's forward (float32 KV cache)")
         # int4 linears run on their own thread pool: torch's ops then stay on one thread (see forward_flat)
         self.own_kernel_threads = any(isinstance(m, Int4GroupLinear) for m in model.modules())
+        # Asked between layers of specmesh's forward: True abandons the forward (ForwardInterrupted). The engine sets
+        # it for work that may give way (the verifier's decoding ahead); transformers' forward runs to the end.
+        self.interrupt: Callable[[], bool] | None = None
 
     def forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
         """Returns, per item, float32 logits [num_logits, vocab] (an empty [0, vocab] tensor when none wanted)."""
@@ -99,7 +103,9 @@ class ModelRunner:
         if self.decoder is not None:
             hidden = self.decoder.forward(torch.tensor(input_ids, dtype=torch.long),
                                           torch.tensor(position_ids, dtype=torch.long), max(position_ids), batch,
-                                          torch.tensor(keep, dtype=torch.long))
+                                          torch.tensor(keep, dtype=torch.long), self.interrupt)
+            if self.interrupt is not None and self.interrupt():
+                raise ForwardInterrupted("interrupted before the LM head")
             return self.model.lm_head(hidden).float()                        # [sum(num_logits), vocab]
         hidden = self.model.model(
             input_ids=torch.tensor([input_ids], dtype=torch.long),

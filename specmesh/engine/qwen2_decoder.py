@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specmesh.engine.cpu_build import load_optional
+from specmesh.engine.errors import ForwardInterrupted
 from specmesh.engine.paged_attention import PagedBatch, attend
 
 SOURCE = Path(__file__).with_name("decoder_kernel.c")
@@ -124,14 +126,17 @@ class Qwen2Decoder:
         self.fused = is_fused(model)            # fused projections (built by build.py), else the model's own three
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, max_position: int, batch: PagedBatch,
-                keep: torch.Tensor) -> torch.Tensor:
+                keep: torch.Tensor, interrupt: Callable[[], bool] | None = None) -> torch.Tensor:
         """input_ids, position_ids [T]; keep: the rows whose hidden states are wanted. Returns the final-normed
-        hidden states of those rows [len(keep), hidden]."""
+        hidden states of those rows [len(keep), hidden]. interrupt: asked before each layer; True raises
+        ForwardInterrupted (the KV already written for these positions is rewritten by whatever runs them next)."""
         cos, sin = self.rope.rows(position_ids, max_position)                      # [T, D/2] each
         hidden = self.inner.embed_tokens(input_ids).contiguous()                   # [T, hidden], the residual stream
         layers = self.inner.layers
         x = self._add_norm(hidden, None, layers[0].input_layernorm)
         for index, layer in enumerate(layers):
+            if interrupt is not None and interrupt():
+                raise ForwardInterrupted(f"interrupted before layer {index}")
             attended = self._attention(index, layer, x, cos, sin, batch)
             x = self._add_norm(hidden, attended, layer.post_attention_layernorm)
             after = layers[index + 1].input_layernorm if index + 1 < len(layers) else self.inner.norm

@@ -81,13 +81,18 @@ class Scheduler:
         num_logits = request.num_logits
         if not len(request.extra_ids) < num_logits:
             raise ValueError(f"num_logits={num_logits} must exceed the {len(request.extra_ids)} extra tokens")
+        self.check_fits(num_logits)
+        if any(r.seq is request.seq for r in self._waiting):
+            raise ValueError(f"seq {request.seq.seq_id} already has queued work")
+        self._waiting.append(request)
+
+    def check_fits(self, num_logits: int) -> None:
+        """EngineError INVALID_ARGUMENT when `num_logits` tokens (the pending token and the drafts) can never run in
+        one forward."""
         if num_logits > self.max_num_batched_tokens:
             raise EngineError("INVALID_ARGUMENT", f"{num_logits} tokens need logits in one forward (the pending "
                               f"token and {num_logits - 1} drafts), more than max_num_batched_tokens="
                               f"{self.max_num_batched_tokens}: send at most {self.max_num_batched_tokens - 1} drafts")
-        if any(r.seq is request.seq for r in self._waiting):
-            raise ValueError(f"seq {request.seq.seq_id} already has queued work")
-        self._waiting.append(request)
 
     def remove(self, request: ForwardRequest) -> bool:
         """Take `request` out of the queue (False if it was not queued)."""

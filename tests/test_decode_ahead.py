@@ -1,0 +1,163 @@
+"""Decoding ahead (verifier_service/ahead.py): an idle greedy session's verifier decodes the target's next tokens
+while the caller drafts, and the next verify meets its drafts against them.
+
+- On plain ints: which drafts the ahead tokens accept, when the verdict needs no forward, what is left to verify
+  (chains and trees).
+- On a real verifier (tiny model): the tokens decoded ahead are target-only greedy's; a verify leaves with all of
+  them (no forward when a draft disagrees); drafts past them are verified from the last one; the ahead limit and
+  the session's max_new_tokens bound it; sampled sessions never decode ahead; blocks are freed at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from transformers import AutoTokenizer
+
+from specmesh.models import resolve_model_dir
+from specmesh.sampling import SamplingParams
+from tests.stack import reference_greedy, start_verifier
+from tests.test_e2e_greedy import PROMPTS, wait_blocks_free
+from verifier_service.ahead import match_ahead, subtree
+
+A, B, C, D, E, X = 11, 12, 13, 14, 15, 99
+
+
+# ---- plain ints ------------------------------------------------------------------------------------------------
+def test_a_chain_rejected_at_an_ahead_token_is_settled_without_a_forward() -> None:
+    match = match_ahead([A, B, C], [A, B, X, D], None)
+    assert match.resolved and match.path == [0, 1]
+
+
+def test_drafts_shorter_than_the_ahead_tokens_are_settled_too() -> None:
+    assert match_ahead([A, B, C], [A], None).path == [0] and match_ahead([A, B, C], [A], None).resolved
+    assert match_ahead([A], [], None).resolved and match_ahead([A], [], None).path == []
+
+
+def test_drafts_past_every_ahead_token_are_left_to_verify() -> None:
+    match = match_ahead([A, B], [A, B, C, D], None)
+    assert not match.resolved and match.path == [0, 1]
+    assert (match.rest_ids, match.rest_parents, match.rest_indices) == ([C, D], None, [2, 3])
+    exact = match_ahead([A, B], [A, B], None)          # the target's token after B still needs a forward
+    assert not exact.resolved and exact.rest_ids == [] and exact.path == [0, 1]
+
+
+def test_trees_follow_the_ahead_tokens_down_one_path() -> None:
+    #        root
+    #       /    \
+    #      A      B
+    #      |     / \
+    #      C    D   E
+    #               |
+    #               A
+    token_ids, parents = [A, B, C, D, E, A], [-1, -1, 0, 1, 1, 4]
+    assert subtree(parents, 1) == [3, 4, 5]
+    below_b = match_ahead([B], token_ids, parents)
+    assert not below_b.resolved and below_b.path == [1]
+    assert (below_b.rest_ids, below_b.rest_parents, below_b.rest_indices) == ([D, E, A], [-1, -1, 1], [3, 4, 5])
+    settled = match_ahead([B, E, X], token_ids, parents)
+    assert settled.resolved and settled.path == [1, 4]
+    assert match_ahead([X], token_ids, parents).path == [] and match_ahead([X], token_ids, parents).resolved
+
+
+# ---- a real verifier -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(str(resolve_model_dir("tiny-target")))
+
+
+async def wait_ahead(engine, session_id: str, num_tokens: int, timeout_s: float = 10.0) -> None:
+    """Until the session holds `num_tokens` tokens (delivered + decoded ahead); then a moment more, to see it stop."""
+    for _ in range(int(timeout_s / 0.01)):
+        if len(engine.sessions[session_id].seq.token_ids) >= num_tokens:
+            await asyncio.sleep(0.1)
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the session never decoded ahead to {num_tokens} tokens")
+
+
+async def test_verifies_leave_with_the_tokens_decoded_ahead_and_stay_exact(tokenizer) -> None:
+    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=5)
+    engine = verifier.engine
+    try:
+        prompt_ids = tokenizer(PROMPTS[3])["input_ids"]
+        n = len(prompt_ids)
+        first = await engine.start_session("s", prompt_ids, SamplingParams(), max_new_tokens=30).future
+        output = list(first.token_ids)
+        await wait_ahead(engine, "s", n + 1 + 5)
+        assert len(engine.sessions["s"].seq.token_ids) == n + 1 + 5           # the limit: 5 ahead, no more
+        # A wrong second draft: settled by the tokens decoded ahead, no forward, and all five leave with it.
+        steps = engine.num_steps
+        ahead = engine.sessions["s"].seq.token_ids[n + 1:]
+        reply = await engine.verify("s", [ahead[0], X], None).future
+        assert engine.num_steps == steps
+        assert (reply.num_accepted, list(reply.accepted_node_indices), reply.token_ids) == (1, [0], ahead)
+        output += reply.token_ids
+        # Drafts past the tokens decoded ahead: the ones that match are accepted, the rest verified in a forward.
+        await wait_ahead(engine, "s", n + len(output) + 5)
+        ahead = engine.sessions["s"].seq.token_ids[n + len(output):]
+        reply = await engine.verify("s", ahead + [X, X], None).future
+        assert reply.num_accepted == 5 and reply.token_ids[:5] == ahead and len(reply.token_ids) == 6
+        output += reply.token_ids
+        while len(output) < 30:
+            output += (await engine.verify("s", [], None).future).token_ids
+        # int8 speculation is exact against the same engine decoding one token per forward (no drafts, no ahead)
+        assert output == await target_only(prompt_ids, 30)
+        await wait_ahead(engine, "s", n + 30)
+        assert len(engine.sessions["s"].seq.token_ids) == n + 30                # never past max_new_tokens
+        assert engine.num_ahead_delivered >= 10
+        delivered = engine.metrics.registry.get_sample_value("specmesh_verifier_ahead_tokens_total",
+                                                             {"outcome": "delivered"})
+        assert delivered == engine.num_ahead_delivered
+        engine.end_session("s")
+        await wait_blocks_free(verifier)
+    finally:
+        await verifier.stop()
+
+
+async def target_only(prompt_ids: list[int], n: int) -> list[int]:
+    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=0)
+    try:
+        engine = verifier.engine
+        output = list((await engine.start_session("t", prompt_ids, SamplingParams()).future).token_ids)
+        while len(output) < n:
+            output += (await engine.verify("t", [], None).future).token_ids
+        return output[:n]
+    finally:
+        await verifier.stop()
+
+
+async def test_float32_tokens_decoded_ahead_are_transformers_greedy(tokenizer) -> None:
+    verifier = await start_verifier(decode_ahead_tokens=8)
+    engine = verifier.engine
+    try:
+        prompt_ids = tokenizer(PROMPTS[3])["input_ids"]
+        expected = reference_greedy(prompt_ids, 24)
+        assert not set(expected) & engine.eos_token_ids          # (decoding ahead stops at an end of sequence)
+        output = list((await engine.start_session("f", prompt_ids, SamplingParams(), max_new_tokens=24).future)
+                      .token_ids)
+        while len(output) < 24:
+            await wait_ahead(engine, "f", len(prompt_ids) + len(output) + 1)
+            output += (await engine.verify("f", [], None).future).token_ids
+        assert output == expected and engine.num_ahead_delivered >= 23
+        engine.end_session("f")
+        await wait_blocks_free(verifier)
+    finally:
+        await verifier.stop()
+
+
+async def test_sampled_sessions_do_not_decode_ahead(tokenizer) -> None:
+    verifier = await start_verifier(decode_ahead_tokens=8)
+    engine = verifier.engine
+    try:
+        prompt_ids = tokenizer(PROMPTS[0])["input_ids"]
+        await engine.start_session("r", prompt_ids, SamplingParams(temperature=1.0, seed=1), max_new_tokens=24).future
+        await asyncio.sleep(0.3)
+        assert len(engine.sessions["r"].seq.token_ids) == len(prompt_ids) + 1 and engine.num_ahead_decoded == 0
+        reply = await engine.verify("r", [], None).future
+        assert len(reply.token_ids) == 1
+        engine.end_session("r")
+        await wait_blocks_free(verifier)
+    finally:
+        await verifier.stop()
