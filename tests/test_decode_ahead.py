@@ -161,3 +161,29 @@ async def test_sampled_sessions_do_not_decode_ahead(tokenizer) -> None:
         await wait_blocks_free(verifier)
     finally:
         await verifier.stop()
+
+
+async def test_an_ahead_step_gives_way_and_decoding_stays_exact(tokenizer) -> None:
+    """A step that only decodes ahead, told to give way before its first layer, leaves no trace: no token, its KV
+    slot dropped, and the next verify runs and decodes ahead as before."""
+    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=3)
+    engine = verifier.engine
+    try:
+        prompt_ids = tokenizer(PROMPTS[3])["input_ids"]
+        n = len(prompt_ids)
+        output = list((await engine.start_session("i", prompt_ids, SamplingParams(), max_new_tokens=12).future)
+                      .token_ids)
+        engine._urgent = True                  # as if a verify needing a forward had just arrived, until one does
+        await asyncio.sleep(0.3)
+        interrupted = engine.metrics.registry.get_sample_value("specmesh_verifier_ahead_tokens_total",
+                                                               {"outcome": "interrupted"})
+        assert interrupted and interrupted > 0
+        assert engine.num_ahead_decoded == 0 and len(engine.sessions["i"].seq.token_ids) == n + 1
+        while len(output) < 12:
+            output += (await engine.verify("i", [], None).future).token_ids
+        assert output == await target_only(prompt_ids, 12)
+        assert engine.num_ahead_decoded > 0
+        engine.end_session("i")
+        await wait_blocks_free(verifier)
+    finally:
+        await verifier.stop()

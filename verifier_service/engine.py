@@ -134,8 +134,9 @@ class VerifierEngine(BatchedEngine):
         self.num_ahead_decoded = 0                 # tokens decoded ahead, and of them the ones a caller received
         self.num_ahead_delivered = 0
         self.ahead_tokens = Counter("specmesh_verifier_ahead_tokens", "Tokens the verifier decoded ahead of its "
-                                    "callers (decoded), and of them the ones a caller received (delivered)",
-                                    ["outcome"], registry=self.metrics.registry)
+                                    "callers (decoded), of them the ones a caller received (delivered), and ahead "
+                                    "steps that gave way to a verify (interrupted)", ["outcome"],
+                                    registry=self.metrics.registry)
         self._no_caller = _NoCaller()
         self.max_queue_len = max_queue_len
         self.max_num_sessions = max_num_seqs * 4
@@ -304,7 +305,8 @@ class VerifierEngine(BatchedEngine):
         return lambda: self._urgent
 
     def interrupted(self, request: ForwardRequest) -> None:
-        pass                                        # only steps that decode ahead give way: nobody waits for them
+        """Only steps that decode ahead give way: nobody waits for them; the token is simply not decoded yet."""
+        self.ahead_tokens.labels("interrupted").inc()
 
     def threads_for(self, num_tokens: int) -> int:
         """A step that only decodes ahead while a draft is being made runs on `ahead_threads` (when set): on a host
