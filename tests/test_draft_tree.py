@@ -164,8 +164,10 @@ async def test_tree_drafts_give_exactly_the_target_greedy_output(draft_model: st
 
 async def test_trees_accept_what_chains_miss_with_an_unrelated_draft() -> None:
     """tiny-draft-unrelated's chains are never accepted on these prompts; with 8 alternatives per uncertain
-    position the target's choice is sometimes among them (measured: 4 of ~150 rounds), and output stays exact."""
-    verifier = await start_verifier()
+    position the target's choice is sometimes among them (measured: 4 of ~150 rounds), and output stays exact.
+    The verifier does not decode ahead here: its rounds would carry several target tokens each, leaving too few
+    rounds for those rare hits."""
+    verifier = await start_verifier(decode_ahead_tokens=0)
     draft_service = await start_draft("tiny-draft-unrelated")
     chains = await start_gateway(verifier.addr, draft_service.addr)
     trees = await start_gateway(verifier.addr, draft_service.addr, draft_tree_width=8)
