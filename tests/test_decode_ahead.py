@@ -171,18 +171,22 @@ async def test_an_ahead_step_gives_way_and_decoding_stays_exact(tokenizer) -> No
     try:
         prompt_ids = tokenizer(PROMPTS[3])["input_ids"]
         n = len(prompt_ids)
+        engine.max_ahead_tokens = 0            # nothing ahead before the flag below is up
         output = list((await engine.start_session("i", prompt_ids, SamplingParams(), max_new_tokens=12).future)
                       .token_ids)
         engine._urgent = True                  # as if a verify needing a forward had just arrived, until one does
+        engine.max_ahead_tokens = 3
+        engine.post(None)                      # wake the engine thread (no message: the flag stays up)
         await asyncio.sleep(0.3)
         interrupted = engine.metrics.registry.get_sample_value("specmesh_verifier_ahead_tokens_total",
                                                                {"outcome": "interrupted"})
         assert interrupted and interrupted > 0
         assert engine.num_ahead_decoded == 0 and len(engine.sessions["i"].seq.token_ids) == n + 1
+        output += (await engine.verify("i", [], None).future).token_ids      # a message: the flag is down
+        await wait_ahead(engine, "i", n + len(output) + 1)                     # and decoding ahead resumes
         while len(output) < 12:
             output += (await engine.verify("i", [], None).future).token_ids
         assert output == await target_only(prompt_ids, 12)
-        assert engine.num_ahead_decoded > 0
         engine.end_session("i")
         await wait_blocks_free(verifier)
     finally:
