@@ -88,10 +88,13 @@ async def test_verifies_leave_with_the_tokens_decoded_ahead_and_stay_exact(token
         await wait_ahead(engine, "s", n + 1 + 5)
         assert len(engine.sessions["s"].seq.token_ids) == n + 1 + 5           # the limit: 5 ahead, no more
         # A wrong second draft: settled by the tokens decoded ahead, no forward, and all five leave with it.
+        engine.max_ahead_tokens = 0           # (so that no step decodes ahead again right after the answer)
         steps = engine.num_steps
         ahead = engine.sessions["s"].seq.token_ids[n + 1:]
         reply = await engine.verify("s", [ahead[0], X], None).future
-        assert engine.num_steps == steps
+        assert engine.num_steps == steps and reply.num_batch_tokens == 0
+        engine.max_ahead_tokens = 5
+        engine.post(None)                      # wake the engine thread to decode ahead again
         assert (reply.num_accepted, list(reply.accepted_node_indices), reply.token_ids) == (1, [0], ahead)
         output += reply.token_ids
         # Drafts past the tokens decoded ahead: the ones that match are accepted, the rest verified in a forward.
