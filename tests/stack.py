@@ -37,8 +37,10 @@ class Running:
             self.engine.stop()
 
 
-async def start_verifier(model: str = "tiny-target", decode_ahead_tokens: int = VerifierConfig.decode_ahead_tokens,
-                         **engine: object) -> Running:
+async def start_verifier(model: str = "tiny-target", decode_ahead_tokens: int = 0, **engine: object) -> Running:
+    """decode_ahead_tokens: off unless a test asks (the service default is on): with it, a round may carry several
+    target tokens, so tests that count rounds of a drafting tier or prefetch hits would depend on timing. The
+    exactness, fault, mixed-traffic and fuzz tests turn it on."""
     config = VerifierConfig(port=0, decode_ahead_tokens=decode_ahead_tokens,
                             engine=dataclasses.replace(EngineConfig(model=model, kv_cache_memory_mb=16), **engine))
     server, eng = build_verifier(config)

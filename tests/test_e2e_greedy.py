@@ -29,7 +29,7 @@ MAX_NEW = 24
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stack():
-    verifier = await start_verifier()
+    verifier = await start_verifier(decode_ahead_tokens=8)          # the service default: exact with it on
     same = await start_draft("tiny-draft")
     unrelated = await start_draft("tiny-draft-unrelated")
     gw_same = await start_gateway(verifier.addr, same.addr)

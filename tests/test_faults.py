@@ -57,7 +57,7 @@ async def stream_ids(addr: str, n: int, on_first=None) -> tuple[list[int], list]
 async def test_draft_killed_mid_stream_then_restarted(expected) -> None:
     port = free_port()
     draft = await spawn("draft_service", "DRAFT", port, "tiny-draft")
-    verifier = await start_verifier()
+    verifier = await start_verifier(decode_ahead_tokens=8)
     gateway = await start_gateway(verifier.addr, f"127.0.0.1:{port}", draft_timeout_s=2.0)
     try:
         ids, responses = await stream_ids(gateway.addr, 300, on_first=draft.kill)

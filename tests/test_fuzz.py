@@ -42,7 +42,7 @@ invalid_utf8 = st.just(bytes([0x0A, 0x03, 0xFF, 0xFE, 0xC3]))      # prompt = 3 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def gateway():
-    verifier = await start_verifier(max_model_len=128)
+    verifier = await start_verifier(max_model_len=128, decode_ahead_tokens=8)
     gw = await start_gateway(verifier.addr, "")
     yield gw
     for running in (gw, verifier):

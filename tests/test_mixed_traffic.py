@@ -50,7 +50,8 @@ async def cancel_after_first_token(addr: str, prompt: str, max_new_tokens: int) 
 
 async def test_near_context_prefills_beside_drafted_streams(tokenizer) -> None:
     rng = random.Random(12)
-    verifier = await start_verifier(max_num_batched_tokens=STEP_BUDGET, max_model_len=MAX_MODEL_LEN, block_size=8)
+    verifier = await start_verifier(max_num_batched_tokens=STEP_BUDGET, max_model_len=MAX_MODEL_LEN, block_size=8,
+                                    decode_ahead_tokens=8)
     same, unrelated = await start_draft("tiny-draft"), await start_draft("tiny-draft-unrelated")
     gateways = [await start_gateway(verifier.addr, same.addr), await start_gateway(verifier.addr, unrelated.addr)]
     try:
