@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 from opentelemetry.trace import SpanContext
-from prometheus_client import Counter
 
 from specmesh.engine.batched import BatchedEngine
 from specmesh.engine.batched_rejection import greedy_accept
@@ -36,6 +35,7 @@ from specmesh.engine.model_runner import ForwardItem, ModelRunner
 from specmesh.engine.scheduler import ForwardRequest, ScheduledItem, SeqState
 from specmesh.rejection import SparseDist, rejection_sample
 from specmesh.sampling import SamplingParams, logits_to_probs, make_generator
+from specmesh.telemetry.metrics import StatsCollector
 from specmesh.tree import keep_shallow
 from specmesh.tree_rejection import tree_rejection_sample, verify_tree_greedy
 from verifier_service.ahead import match_ahead
@@ -110,6 +110,7 @@ class _NoCaller:
 
 
 _AHEAD_STEP = _Drafts(None, is_ahead_step=True)
+_NO_CALLER = _NoCaller()
 
 
 @dataclass(frozen=True)
@@ -131,13 +132,13 @@ class VerifierEngine(BatchedEngine):
         # gives way between layers (see interrupt_check).
         self._urgent = False
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.num_ahead_decoded = 0                 # tokens decoded ahead, and of them the ones a caller received
-        self.num_ahead_delivered = 0
-        self.ahead_tokens = Counter("specmesh_verifier_ahead_tokens", "Tokens the verifier decoded ahead of its "
-                                    "callers (decoded), of them the ones a caller received (delivered), and ahead "
-                                    "steps that gave way to a verify (interrupted)", ["outcome"],
-                                    registry=self.metrics.registry)
-        self._no_caller = _NoCaller()
+        self.num_ahead_decoded = 0                 # tokens decoded ahead
+        self.num_ahead_delivered = 0               # of them, the ones a caller received
+        self.num_ahead_interrupted = 0             # ahead steps that gave way to a verify
+        # exported as specmesh_verifier_ahead_tokens_total{outcome=decoded|delivered|interrupted}
+        self.metrics.registry.register(StatsCollector({"verifier": lambda: {
+            "ahead_decoded": self.num_ahead_decoded, "ahead_delivered": self.num_ahead_delivered,
+            "ahead_interrupted": self.num_ahead_interrupted}}))
         self.max_queue_len = max_queue_len
         self.max_num_sessions = max_num_seqs * 4
         self.sessions: dict[str, Session] = {}
@@ -225,42 +226,37 @@ class VerifierEngine(BatchedEngine):
             raise EngineError("FAILED_PRECONDITION", f"session {msg.session_id} already has a verify in flight")
         self.scheduler.check_fits(len(msg.draft_ids) + 1)     # refused alike whether or not it needs a forward
         session.drafting = bool(msg.draft_ids)
-        if len(session.seq.token_ids) > session.num_delivered:
-            self._verify_after_ahead(session, msg)
+        ahead_ids = session.seq.token_ids[session.num_delivered:]
+        if not ahead_ids:
+            self._enqueue_in_room(session, msg, msg.draft_ids, msg.draft_dists, msg.draft_parents)
             return
-        room = self.max_model_len - len(session.seq.token_ids)
-        if room <= 0:
-            raise EngineError("OUT_OF_RANGE", f"session {msg.session_id} reached the context length")
-        if msg.draft_parents is None:
-            dists = msg.draft_dists[:room] if msg.draft_dists else None
-            self._enqueue(session, msg.draft_ids[:room], _Drafts(dists), msg.done, msg.deadline)
-            return
-        kept, parents = keep_shallow(msg.draft_parents, room)     # paths end at the context length
-        dists = [msg.draft_dists[i] for i in kept] if msg.draft_dists else None
-        self._enqueue(session, [msg.draft_ids[i] for i in kept], _Drafts(dists, parents, kept), msg.done,
-                      msg.deadline)
-
-    def _verify_after_ahead(self, session: Session, msg: _Verify) -> None:
-        """The session decoded ahead of the caller (greedy only): the drafts meet those tokens first. Either that
-        settles the verdict (answered at once, with every token decoded ahead) or the drafts below them are verified
-        from the last one. Greedy verification reads no draft probabilities, so none are passed on."""
-        seq = session.seq
-        ahead_ids = seq.token_ids[session.num_delivered:]
+        # Decoded ahead of the caller (greedy only): the drafts meet those tokens first. Either that settles the
+        # verdict (answered at once, with every token decoded ahead) or the drafts below them are verified from the
+        # last one. Greedy verification reads no draft probabilities, so none are passed on.
         match = match_ahead(ahead_ids, msg.draft_ids, msg.draft_parents)
         if match.resolved:
             self._deliver(session, len(ahead_ids))
             msg.done.set_result(VerifyResult(ahead_ids, len(match.path), tuple(match.path),
                                               num_batch_tokens=0, num_waiting=self.scheduler.num_waiting))
             return
-        room = self.max_model_len - len(seq.token_ids)
+        self._enqueue_in_room(session, msg, match.rest_ids, None, match.rest_parents, match.rest_indices,
+                              tuple(match.path))
+
+    def _enqueue_in_room(self, session: Session, msg: _Verify, draft_ids: list[int],
+                         dists: list[SparseDist] | None, parents: list[int] | None,
+                         indices: list[int] | None = None, ahead_path: tuple[int, ...] = ()) -> None:
+        """Queue the drafts that fit the context (a tree keeps its shallow nodes: paths end at the context length).
+        indices: draft i -> its index in the request (None: the same)."""
+        room = self.max_model_len - len(session.seq.token_ids)
         if room <= 0:
             raise EngineError("OUT_OF_RANGE", f"session {msg.session_id} reached the context length")
-        kept = list(range(len(match.rest_ids)))[:room]
-        parents = match.rest_parents
-        if parents is not None:
+        if parents is None:
+            kept = list(range(min(len(draft_ids), room)))
+        else:
             kept, parents = keep_shallow(parents, room)
-        drafts = _Drafts(None, parents, [match.rest_indices[i] for i in kept], tuple(match.path))
-        self._enqueue(session, [match.rest_ids[i] for i in kept], drafts, msg.done, msg.deadline)
+        node_indices = kept if indices is None else [indices[i] for i in kept]
+        drafts = _Drafts([dists[i] for i in kept] if dists else None, parents, node_indices, ahead_path)
+        self._enqueue(session, [draft_ids[i] for i in kept], drafts, msg.done, msg.deadline)
 
     def _enqueue(self, session: Session, draft_ids: list[int], drafts: _Drafts,
                  done: Completion, deadline: float | None) -> None:
@@ -288,7 +284,7 @@ class VerifierEngine(BatchedEngine):
         requests never outlive the step, so a verify arriving next finds none of them queued."""
         ahead = [] if self.scheduler.num_waiting else self._ahead_sessions()
         self._ahead_beside_drafts = any(s.drafting for s in ahead)
-        requests = [ForwardRequest(s.seq, [], 1, (s, _AHEAD_STEP, self._no_caller)) for s in ahead]
+        requests = [ForwardRequest(s.seq, [], 1, (s, _AHEAD_STEP, _NO_CALLER)) for s in ahead]
         for request in requests:                    # (not `busy`: a verify arriving next finds none of them)
             self.scheduler.enqueue(request)
         try:
@@ -306,7 +302,7 @@ class VerifierEngine(BatchedEngine):
 
     def interrupted(self, request: ForwardRequest) -> None:
         """Only steps that decode ahead give way: nobody waits for them; the token is simply not decoded yet."""
-        self.ahead_tokens.labels("interrupted").inc()
+        self.num_ahead_interrupted += 1
 
     def threads_for(self, num_tokens: int) -> int:
         """A step that only decodes ahead while a draft is being made runs on `ahead_threads` (when set): on a host
@@ -349,7 +345,6 @@ class VerifierEngine(BatchedEngine):
         if drafts.is_ahead_step:
             self._commit(session, self.argmax_rows(req)[:1], 0)
             self.num_ahead_decoded += 1
-            self.ahead_tokens.labels("decoded").inc()
             return
         if drafts.parents is None:
             emitted = self._sample(req, session, logits, drafts.dists)
@@ -381,8 +376,6 @@ class VerifierEngine(BatchedEngine):
     def _deliver(self, session: Session, num_ahead: int) -> None:
         """Every token of the session goes to the caller now, `num_ahead` of them decoded ahead."""
         self.num_ahead_delivered += num_ahead
-        if num_ahead:
-            self.ahead_tokens.labels("delivered").inc(num_ahead)
         session.num_delivered = len(session.seq.token_ids)
 
     def _keep_path(self, seq: SeqState, accepted: list[int]) -> None:

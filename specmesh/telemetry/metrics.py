@@ -107,9 +107,12 @@ TIER_FIELDS = {"hits": "specmesh_draft_tier_hits", "misses": "specmesh_draft_tie
 
 
 def _family_of(group: str, key: str) -> tuple[str, dict[str, str]]:
-    """Counter name and labels of one plain-int stat (drafting tiers and the draft link get labels)."""
+    """Counter name and labels of one plain-int stat (drafting tiers, the draft link and the verifier's decoding
+    ahead get labels)."""
     if key.startswith("draft_bytes_"):
         return "specmesh_draft_link_bytes", {"direction": key.removeprefix("draft_bytes_")}
+    if group == "verifier" and key.startswith("ahead_"):
+        return "specmesh_verifier_ahead_tokens", {"outcome": key.removeprefix("ahead_")}
     tier, _, field = key.partition("_")
     if tier in ("cache", "ngram", "model") and field in TIER_FIELDS:
         return TIER_FIELDS[field], {"tier": tier}
