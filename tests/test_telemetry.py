@@ -242,7 +242,7 @@ async def test_trace_cli_prints_the_request_waterfall(stack, capsys) -> None:
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0].startswith("trace ")
-    assert any(line.startswith(GENERATE) for line in lines)              # the root, unindented
+    assert any(line.startswith(GENERATE) for line in lines), out              # the root, unindented
     assert any("└─ text_completion tiny-target" in line for line in lines)
     assert any("├─ round" in line or "└─ round" in line for line in lines)
     assert any("⇢ verifier-engine forward" in line for line in lines)    # linked batch spans under the RPC

@@ -14,7 +14,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.trace import Link
+from opentelemetry.trace import Link, SpanKind
 
 from specmesh import cli
 from specmesh.config import TelemetryConfig
@@ -50,12 +50,18 @@ def receiver():
     server.stop(0)
 
 
-def make_spans(provider: TracerProvider) -> None:
+def make_spans(provider: TracerProvider, idle_forward: bool = False) -> None:
     tracer = provider.get_tracer("test")
-    with tracer.start_as_current_span("request") as request, tracer.start_as_current_span("round"):
-        pass
+    with tracer.start_as_current_span("request", kind=SpanKind.SERVER) as request:
+        with tracer.start_as_current_span("round"):
+            pass
     with tracer.start_as_current_span("engine forward", links=[Link(request.get_span_context())]):
         pass
+    if idle_forward:                  # later roots that are not requests: a step for no caller, a service's own call
+        with tracer.start_as_current_span("engine forward"):
+            pass
+        with tracer.start_as_current_span("GetModelInfo", kind=SpanKind.CLIENT):
+            pass
 
 
 def test_otlp_exporter_sends_to_a_grpc_receiver(receiver) -> None:
@@ -76,13 +82,13 @@ def test_trace_cli_reads_a_span_file(tmp_path, capsys) -> None:
     path = tmp_path / "spans.jsonl"
     provider = TracerProvider(resource=service_resource("specmesh-verifier"))
     provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(str(path))))
-    make_spans(provider)
+    make_spans(provider, idle_forward=True)
     provider.shutdown()
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert {r["service.name"] for r in records} == {"specmesh-verifier"}
     assert cli.main(["trace", "show", "--file", str(path), "--last"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith(f"trace {records[-1]['links'][0]['trace_id']}")
+    assert lines[0].startswith(f"trace {records[-3]['links'][0]['trace_id']}")
     assert lines[1].startswith("request") and "└─ ⇢ engine forward" in lines[3]
 
 

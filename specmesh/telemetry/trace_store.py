@@ -28,9 +28,12 @@ def load_file(path: str | Path) -> list[Span]:
 
 
 def last_trace_id(spans: list[Span]) -> str:
-    """The trace of the latest root span that is a request (not an engine forward, which carries links)."""
-    roots = [s for s in spans if not s.get("parent_span_id")]
-    requests = [s for s in roots if not s.get("links")] or roots or spans
+    """The trace of the latest root span that is a request: a served RPC (SERVER kind) that began a trace. Not an
+    engine forward (a root of its own, linking the requests it served, or none when it ran for no caller) and not a
+    call a service made on its own (e.g. the gateway asking the verifier's model info: a CLIENT root)."""
+    roots = [s for s in spans if not s.get("parent_span_id") and not s.get("links")]
+    served = [s for s in roots if s.get("kind") == "SERVER"]
+    requests = served or [s for s in roots if not s["name"].endswith(" forward")] or roots or spans
     if not requests:
         raise LookupError("no spans")
     return max(requests, key=lambda s: s["start_ns"])["trace_id"]
