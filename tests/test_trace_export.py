@@ -14,6 +14,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind
 
 from specmesh import cli
@@ -52,9 +53,9 @@ def receiver():
 
 def make_spans(provider: TracerProvider, idle_forward: bool = False) -> None:
     tracer = provider.get_tracer("test")
-    with tracer.start_as_current_span("request", kind=SpanKind.SERVER) as request:
-        with tracer.start_as_current_span("round"):
-            pass
+    request = tracer.start_span("request", kind=SpanKind.SERVER)
+    with trace.use_span(request, end_on_exit=True), tracer.start_as_current_span("round"):
+        pass
     with tracer.start_as_current_span("engine forward", links=[Link(request.get_span_context())]):
         pass
     if idle_forward:                  # later roots that are not requests: a step for no caller, a service's own call
