@@ -11,10 +11,10 @@ from typing import Any
 
 import grpc
 import pytest
+from opentelemetry import trace
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind
 
 from specmesh import cli
