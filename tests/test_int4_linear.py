@@ -3,6 +3,7 @@ bit-identical whatever shares the forward or how many threads run it, and its qu
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from specmesh.engine import int4_kernel
-from specmesh.engine.int4_linear import Int4GroupLinear, dequantize_weight, quantize_weight
+from specmesh.engine.int4_linear import Int4GroupLinear, dequantize_weight, kernel_threads, quantize_weight
 
 SHAPES = [(64, 64), (8960 // 8, 1536), (70, 40), (256, 96)]     # (out, in); odd ones are padded
 
@@ -115,3 +116,28 @@ def test_no_bias_and_zero_rows() -> None:
     y = layer(x)
     assert torch.equal(y[1], torch.zeros(64))
     torch.testing.assert_close(y[[0, 2]].double(), reference(layer, lin, x[[0, 2]]), rtol=1e-5, atol=1e-5)
+
+
+def test_the_thread_pool_gives_the_same_outputs_under_oversubscription_and_concurrent_callers() -> None:
+    """More kernel threads than cores, so workers lose their core mid-job and wake late (after their job is done,
+    or the next one posted), and several callers at once: every output equals the one-thread output."""
+    layers = [Int4GroupLinear(linear(out, 96, seed=out)) for out in (256, 264, 1120)]   # 32, 33, 140 tiles
+    xs = [torch.randn(m, 96) for m in (1, 3, 9)]
+    with kernel_threads(1):
+        expected = [[layer(x) for x in xs] for layer in layers]
+    mismatches: list[tuple[int, int, int]] = []
+
+    def run(num_threads: int) -> None:
+        with kernel_threads(num_threads):
+            for _ in range(60):
+                for i, layer in enumerate(layers):
+                    for j, x in enumerate(xs):
+                        if not torch.equal(layer(x), expected[i][j]):
+                            mismatches.append((num_threads, i, j))
+    run(5)
+    callers = [threading.Thread(target=run, args=(n,)) for n in (5, 3, 2)]   # one drives the pool, others run alone
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert mismatches == []

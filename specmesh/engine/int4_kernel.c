@@ -22,6 +22,7 @@ threads. Built without -ffast-math: the compiler must not reassociate the float 
 #include <immintrin.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -249,36 +250,54 @@ void sm_int4_matmul(const int8_t *xq, const float *row_scale, const float *xsum,
 }
 
 /* ---------------------------------------------------------------------------------------------------------------
-   A small persistent thread pool for sm_int4_matmul_mt: output tiles split in contiguous ranges, one per thread.
-   Workers spin briefly for the next job (the next layer's matmul usually follows within tens of microseconds), then
-   sleep on a condition variable. One caller at a time: a second concurrent caller runs on its own thread. */
+   A small persistent thread pool for sm_int4_matmul_mt. The output tiles of a job are cut into chunks that threads
+   claim one at a time from a shared cursor, the caller included: a thread that loses its core (to the draft model
+   or the gateway on a shared host) holds up at most the chunk it is on, not a fixed share of every layer. Workers
+   spin briefly for the next job (the next layer's matmul usually follows within tens of microseconds), then sleep on
+   a condition variable. One caller at a time: a second concurrent caller runs on its own thread.
+
+   The cursor packs (job generation << 32 | next chunk). A chunk is claimed by a compare-and-swap of the cursor, so a
+   worker that wakes late (its job already done, maybe the next one posted) claims nothing of a job it has not read:
+   the swap fails once the generation moved on. Jobs alternate between two slots; slot g % 2 is rewritten only for
+   job g + 2, which is posted after every chunk of job g has been done, so a claimed chunk's slot stays intact. */
 
 #define MAX_THREADS 64
 #define SPIN_ITERS 20000         /* ~0.1-1 ms of pause instructions before sleeping */
+#define CHUNKS_PER_THREAD 6      /* chunks a job is cut into per thread: small enough to balance, few claims */
+#define YIELD_AFTER_SPINS 2000   /* the caller's pauses waiting for the last chunks before it yields its core */
 
 typedef struct {
     const int8_t *xq; const float *row_scale; const float *xsum; int64_t m, k;
     const uint8_t *wq; const uint16_t *scales; const uint16_t *mins; const float *bias; int64_t n;
-    int64_t tile_begin, tiles_per_thread, tile_end; float *y;
+    int64_t tile_begin, chunk_tiles, tile_end, num_chunks; float *y; int threads;
 } job_t;
 
 static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER;      /* held by the caller driving the pool */
 static pthread_mutex_t wake_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
-static job_t current;
-static atomic_ullong generation;
-static atomic_int pending;
+static job_t jobs[2];
+static atomic_ullong generation;          /* the latest job posted; workers wake when it changes */
+static atomic_ullong cursor;              /* (generation << 32) | next unclaimed chunk of that job */
+static atomic_llong chunks_done;          /* chunks of the current job finished */
 static int num_workers;          /* started so far; each serves every job with index < the job's thread count */
-static atomic_int job_threads;
 static unsigned long long start_generation[MAX_THREADS];   /* the generation before a worker's first job */
 
-static void run_slice(const job_t *j, int index) {
-    const int64_t b = j->tile_begin + index * j->tiles_per_thread;
-    int64_t e = b + j->tiles_per_thread;
-    if (e > j->tile_end) e = j->tile_end;
-    if (b < e)
+/* Claims and runs chunks of job `gen` until none is left or a newer job replaced it. */
+static void run_chunks(unsigned long long gen) {
+    for (;;) {
+        unsigned long long c = atomic_load_explicit(&cursor, memory_order_acquire);
+        if (c >> 32 != (gen & 0xFFFFFFFFull)) return;
+        const job_t *j = &jobs[gen & 1];
+        const int64_t chunk = (int64_t)(c & 0xFFFFFFFFull);
+        if (chunk >= j->num_chunks) return;     /* read before the claim; the swap below fails if j was replaced */
+        if (!atomic_compare_exchange_weak_explicit(&cursor, &c, c + 1, memory_order_acq_rel, memory_order_relaxed))
+            continue;
+        const int64_t b = j->tile_begin + chunk * j->chunk_tiles;
+        const int64_t e = b + j->chunk_tiles < j->tile_end ? b + j->chunk_tiles : j->tile_end;
         sm_int4_matmul(j->xq, j->row_scale, j->xsum, j->m, j->k, j->wq, j->scales, j->mins, j->bias, j->n, b, e,
                        j->y);
+        atomic_fetch_add_explicit(&chunks_done, 1, memory_order_acq_rel);
+    }
 }
 
 static void *worker(void *arg) {
@@ -298,10 +317,8 @@ static void *worker(void *arg) {
             pthread_mutex_unlock(&wake_lock);
         }
         seen = now;
-        if (index < atomic_load(&job_threads)) {
-            run_slice(&current, index);
-            atomic_fetch_sub_explicit(&pending, 1, memory_order_acq_rel);
-        }
+        if (index < jobs[now & 1].threads)   /* a stale read only skips a job or tries a claim that fails */
+            run_chunks(now);
     }
     return NULL;
 }
@@ -317,7 +334,7 @@ static void reset_after_fork(void) {
 static pthread_once_t fork_handler_once = PTHREAD_ONCE_INIT;
 static void install_fork_handler(void) { pthread_atfork(NULL, NULL, reset_after_fork); }
 
-/* sm_int4_matmul over output tiles [tile_begin, tile_end) on `threads` threads (the caller included). */
+/* sm_int4_matmul over output tiles [tile_begin, tile_end) on up to `threads` threads (the caller included). */
 void sm_int4_matmul_mt(const int8_t *xq, const float *row_scale, const float *xsum, int64_t m, int64_t k,
                        const uint8_t *wq, const uint16_t *scales, const uint16_t *mins, const float *bias, int64_t n,
                        int64_t tile_begin, int64_t tile_end, float *y, int threads) {
@@ -336,17 +353,28 @@ void sm_int4_matmul_mt(const int8_t *xq, const float *row_scale, const float *xs
     }
     if (threads > num_workers + 1) threads = num_workers + 1;
     const int64_t tiles = tile_end - tile_begin;
-    job_t j = {xq, row_scale, xsum, m, k, wq, scales, mins, bias, n, tile_begin, (tiles + threads - 1) / threads,
-               tile_end, y};
-    current = j;
-    atomic_store(&job_threads, threads);
-    atomic_store(&pending, threads - 1);
+    int64_t num_chunks = (int64_t)threads * CHUNKS_PER_THREAD;
+    if (num_chunks > tiles) num_chunks = tiles;
+    const int64_t chunk_tiles = (tiles + num_chunks - 1) / num_chunks;
+    num_chunks = (tiles + chunk_tiles - 1) / chunk_tiles;
+    /* the previous job is done: no thread holds a chunk of it, and none can claim one of this job before the
+       cursor below is published */
+    const unsigned long long gen = atomic_load_explicit(&generation, memory_order_relaxed) + 1;
+    jobs[gen & 1] = (job_t){xq, row_scale, xsum, m, k, wq, scales, mins, bias, n, tile_begin, chunk_tiles, tile_end,
+                            num_chunks, y, threads};
+    atomic_store_explicit(&chunks_done, 0, memory_order_relaxed);
+    atomic_store_explicit(&cursor, (gen & 0xFFFFFFFFull) << 32, memory_order_release);
     pthread_mutex_lock(&wake_lock);
-    atomic_fetch_add_explicit(&generation, 1, memory_order_release);
+    atomic_store_explicit(&generation, gen, memory_order_release);
     pthread_cond_broadcast(&wake);
     pthread_mutex_unlock(&wake_lock);
-    run_slice(&j, 0);
-    while (atomic_load_explicit(&pending, memory_order_acquire) > 0) _mm_pause();
+    run_chunks(gen);
+    /* the chunks still running on other threads; yield the core after a while, in case the thread running the last
+       one waits for it */
+    for (int spins = 0; atomic_load_explicit(&chunks_done, memory_order_acquire) < num_chunks; spins++) {
+        if (spins < YIELD_AFTER_SPINS) _mm_pause();
+        else sched_yield();
+    }
     pthread_mutex_unlock(&pool_busy);
 }
 
