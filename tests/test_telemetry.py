@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 import urllib.request
 from collections import Counter
 from typing import Any
@@ -144,10 +145,18 @@ async def test_one_trace_per_generation_with_every_hop_and_round(stack) -> None:
     assert all(f["parent_span_id"] is None and f["trace_id"] != responses[0].request_id for f in forwards)
 
 
-async def test_concurrent_requests_get_their_own_traces_and_share_batches(stack) -> None:
+async def test_concurrent_requests_get_their_own_traces_and_share_batches(stack, monkeypatch) -> None:
     memory = stack["memory"]
     memory.clear()
+    runner = stack["verifier"].engine.runner
+    forward_flat = runner.forward_flat
+
+    def slow_forward_flat(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.03)      # the tiny model's forward is faster than a gRPC hop: let concurrent verifies queue up
+        return forward_flat(*args, **kwargs)
+    monkeypatch.setattr(runner, "forward_flat", slow_forward_flat)
     results = await asyncio.gather(*[generate(stack["gateway"].addr, max_new_tokens=24) for _ in range(4)])
+    monkeypatch.undo()
     ids = {r[0].request_id for r in results}
     assert len(ids) == 4
     spans = await spans_after_cleanup(memory, num_end_sessions=8)
