@@ -264,6 +264,7 @@ void sm_int4_matmul(const int8_t *xq, const float *row_scale, const float *xsum,
 #define MAX_THREADS 64
 #define SPIN_ITERS 20000         /* ~0.1-1 ms of pause instructions before sleeping */
 #define CHUNKS_PER_THREAD 6      /* chunks a job is cut into per thread: small enough to balance, few claims */
+#define YIELD_EVERY_SPINS 256    /* a waiting worker's pauses between yields of its core */
 #define YIELD_AFTER_SPINS 2000   /* the caller's pauses waiting for the last chunks before it yields its core */
 
 typedef struct {
@@ -307,8 +308,8 @@ static void *worker(void *arg) {
         unsigned long long now;
         int spins = 0;
         while ((now = atomic_load_explicit(&generation, memory_order_acquire)) == seen && spins < SPIN_ITERS) {
-            _mm_pause();
-            spins++;
+            if (++spins % YIELD_EVERY_SPINS) _mm_pause();
+            else sched_yield();      /* a thread that shares this core (the caller, the draft model) runs first */
         }
         if (now == seen) {
             pthread_mutex_lock(&wake_lock);
