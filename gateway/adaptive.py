@@ -30,7 +30,8 @@ c = measured draft compute per token (decayed sum of draft seconds / decayed sum
 link round trip (paid only when we call the draft service: k = 0 means target-only decoding); verify(k) =
 v0 + v1 * k, a decayed least-squares line through the observed (k, verify_s) points. While only one k has been
 seen the slope is not identifiable; then verify(k) = v0 * (1 + s * k) with the prior relative slope s
-(`verify_rel_slope`: 0.03 for a batch-invariant int8 verifier, ~0.4 for fp32 on these CPUs).
+(`verify_rel_slope`: 0.03 for a batch-invariant int8 verifier, ~0.4 for fp32 on these CPUs). Once the verifier
+reports its own measure of one more token's cost (VerifyResponse.token_cost), that is s, always.
 
 Choice. k* = argmax_k E(k) / T(k) over [min_k, max_k], capped by load (below).
 
@@ -87,10 +88,12 @@ def expected_tokens(position_acceptance: list[float], k: int) -> float:
 
 
 class _DecayedLine:
-    """Decayed least-squares fit t = v0 + v1 * k, with a prior relative slope when k has no spread."""
+    """Decayed least-squares fit t = v0 + v1 * k, with a prior relative slope when k has no spread; a relative slope
+    the verifier measured itself (`measured_slope` > 0) is used instead of the fitted one."""
 
     def __init__(self, decay: float, rel_slope: float) -> None:
         self.decay, self.rel_slope = decay, rel_slope
+        self.measured_slope = 0.0
         self.w = self.sk = self.skk = self.st = self.skt = 0.0
 
     def add(self, k: int, t: float) -> None:
@@ -103,8 +106,9 @@ class _DecayedLine:
             return None
         mean_k, mean_t = self.sk / self.w, self.st / self.w
         var_k = self.skk / self.w - mean_k ** 2
-        if var_k < 0.25:   # (almost) a single k seen: scale by the prior slope
-            return mean_t * (1 + self.rel_slope * k) / (1 + self.rel_slope * mean_k)
+        if self.measured_slope > 0 or var_k < 0.25:   # measured, or (almost) a single k seen: scale the mean
+            s = self.measured_slope or self.rel_slope
+            return mean_t * (1 + s * k) / (1 + s * mean_k)
         slope = max(0.0, (self.skt / self.w - mean_k * mean_t) / var_k)
         return max(0.0, mean_t + slope * (k - mean_k))
 
@@ -246,6 +250,12 @@ class DraftLengthController:
         d = self.params.decay
         self._alt_nodes = d * self._alt_nodes + num_alternative_nodes
         self._alt_hits = d * self._alt_hits + (1.0 if alternative_hit else 0.0)
+
+    def observe_token_cost(self, token_cost: float) -> None:
+        """The verifier's measured cost of one more verified token relative to a one-token forward (0 = unknown):
+        the verify line's slope from then on (a line fitted to rounds of a few similar k extrapolates badly)."""
+        if token_cost > 0:
+            self._verify.measured_slope = token_cost
 
     def observe_load(self, queue_len: int, batch_tokens: int) -> None:
         """The verifier's waiting requests and tokens in its current batch (smoothed)."""

@@ -47,11 +47,12 @@ NO_DRAFT = Draft([], None, common_pb2.DRAFT_SOURCE_NONE)
 class Proposer(Protocol):
     """One source of drafts behind one `propose()`: the draft cache, n-gram lookup, the suffix tree (gateway/tiers.py,
     gateway/suffix_*.py) and the draft model (`ModelDrafter`). A proposer may return NO_DRAFT; whatever it returns
-    is verified, so no proposer can change output. `observe` is the round's outcome (see RequestState.on_round)."""
+    is verified, so no proposer can change output. `observe` is the round's outcome (see RequestState.on_round) and
+    the verifier's measured cost of one more verified token, relative to a one-token forward (0 = not reported)."""
 
     async def propose(self, context_ids: list[int], num_tokens: int) -> Draft: ...
 
-    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int]) -> None: ...
+    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int], token_cost: float = 0.0) -> None: ...
 
 
 class Drafter(Proposer, Protocol):
@@ -230,7 +231,7 @@ class ModelDrafter:
         self.bytes_received += response.ByteSize()
         return response
 
-    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int]) -> None:
+    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int], token_cost: float = 0.0) -> None:
         pass                                      # the next Propose carries the verified tokens
 
     async def close(self) -> None:

@@ -24,6 +24,7 @@ class RoundEvent:
     num_waiting: int             # the verifier's load when it answered
     num_batch_tokens: int
     accepted_node_indices: list[int] = field(default_factory=list)   # a tree's accepted path (empty: a chain)
+    token_cost: float = 0.0      # the verifier's measured cost of one more verified token (0 = unknown)
 
 
 RoundListener = Callable[[RoundEvent, "RequestState"], None]

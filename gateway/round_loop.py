@@ -61,6 +61,7 @@ class _NextDraft:
 def _observe_round(draft_length: DraftLengthController, event: RoundEvent, state: RequestState) -> None:
     draft_length.observe(len(event.draft.token_ids), event.num_accepted, event.draft_s, event.verify_s)
     draft_length.observe_load(event.num_waiting, event.num_batch_tokens)
+    draft_length.observe_token_cost(event.token_cost)
     if event.draft.parents is not None:
         alternatives = len(event.draft.token_ids) - main_chain_len(event.draft.parents, len(event.draft.token_ids))
         draft_length.observe_tree(alternatives, classify(event.draft, event.num_accepted,
@@ -94,7 +95,7 @@ class Generation:
             self.state.listeners.append(functools.partial(_observe_round, draft_length))
         if drafter is not None:
             self.state.listeners.append(lambda event, state: drafter.observe(event.draft, event.num_accepted,
-                                                                              state.output_ids))
+                                                                              state.output_ids, event.token_cost))
 
     @property
     def output_ids(self) -> list[int]:
@@ -133,7 +134,7 @@ class Generation:
             record_round(span, draft, result.num_accepted)
         return RoundEvent(round_index, draft, result.num_accepted, list(result.token_ids), drafted - started,
                           time.perf_counter() - drafted, result.num_waiting, result.num_batch_tokens,
-                          list(result.accepted_node_indices))
+                          list(result.accepted_node_indices), result.token_cost)
 
     def _wanted_k(self) -> int:
         return self.draft_length.next_k() if self.draft_length else self.params.num_draft_tokens

@@ -4,8 +4,9 @@ Per request, on plain floats (no clock: the caller passes measured seconds). For
 
     rate = (1 + expected accepted draft tokens) / (verify(n) + cost)
 
-where the 1 is the token every verify emits, n is the draft's size, verify(n) = base * (1 + VERIFY_SLOPE * n) with
-`base` a decayed average of the measured verify times (normalized by the same factor), and cost the proposer's own
+where the 1 is the token every verify emits, n is the draft's size, verify(n) = base * (1 + s * n) with `base` a
+decayed average of the measured verify times (normalized by the same factor) and s the verifier's own measure of
+one more token's cost (VerifyResponse.token_cost; `VERIFY_SLOPE` until it reports one), and cost the proposer's own
 decayed average time per round (a local suffix lookup ~0, the shared store one Redis round trip, the draft model
 its compute plus the link's round trip; a prefetched model block costs what waiting for it cost).
 
@@ -26,7 +27,7 @@ from gateway.suffix_tree import Proposal
 
 LOCAL, GLOBAL, MODEL, NONE = "local", "global", "model", "none"
 DECAY = 0.85                 # weight an old observation keeps per new one
-VERIFY_SLOPE = 0.1           # extra verify time per drafted token, relative to a one-token verify
+VERIFY_SLOPE = 0.1           # extra verify time per drafted token, relative to a one-token verify (until measured)
 PRIOR_VERIFY_S = 0.15        # before any verify was measured (a CPU verify of the real pair: ~150-215 ms)
 PROBE_EVERY = 16             # rounds a drafting proposer may go unchosen before it gets one round
 MAX_MODEL_K = 64
@@ -52,6 +53,7 @@ class _Decayed:
 class ProposerChoice:
     def __init__(self) -> None:
         self._verify_base = _Decayed(PRIOR_VERIFY_S, 1.0)
+        self.verify_slope = VERIFY_SLOPE
         self._cost: dict[str, _Decayed] = {}
         self._calibration = {p: _Calibration() for p in (LOCAL, GLOBAL)}
         self.model = DraftLengthController(max_k=MAX_MODEL_K, initial_k=0)
@@ -59,7 +61,7 @@ class ProposerChoice:
 
     # ------------------------------------------------------------------ estimates
     def verify_s(self, num_tokens: int) -> float:
-        return self._verify_base.mean * (1 + VERIFY_SLOPE * num_tokens)
+        return self._verify_base.mean * (1 + self.verify_slope * num_tokens)
 
     def cost_s(self, proposer: str, num_tokens: int) -> float:
         """Unmeasured = free: a proposer is tried before its cost is known (optimism under uncertainty)."""
@@ -96,8 +98,12 @@ class ProposerChoice:
     def observe_cost(self, proposer: str, seconds: float) -> None:
         self._cost.setdefault(proposer, _Decayed(0.0, 0.0)).add(max(0.0, seconds))
 
-    def observe_verify(self, num_tokens: int, seconds: float) -> None:
-        self._verify_base.add(max(0.0, seconds) / (1 + VERIFY_SLOPE * num_tokens))
+    def observe_verify(self, num_tokens: int, seconds: float, token_cost: float = 0.0) -> None:
+        """A verify of `num_tokens` drafts took `seconds`; token_cost: the verifier's measure of one more token
+        relative to a one-token forward (0 = not reported: keep the last one)."""
+        if token_cost > 0:
+            self.verify_slope = token_cost
+        self._verify_base.add(max(0.0, seconds) / (1 + self.verify_slope * num_tokens))
 
     def observe_suffix(self, proposer: str, proposal: Proposal, accepted_nodes: list[int]) -> None:
         """A verified suffix proposal and the indices of its nodes on the accepted path."""

@@ -180,7 +180,7 @@ class TieredDrafter:
         stats.draft_bytes_received += self.model.bytes_received - self._bytes_counted[1]
         self._bytes_counted = (self.model.bytes_sent, self.model.bytes_received)
 
-    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int]) -> None:
+    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int], token_cost: float = 0.0) -> None:
         counters = self.tiers.stats.tier(draft.source)
         if counters is not None:
             counters.drafted += len(draft.token_ids)

@@ -7,6 +7,7 @@ the step goes on; a crash of the forward itself fails only the requests in that 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -38,6 +39,8 @@ class BatchedEngine(EngineThread):
         self.scheduler = Scheduler(block_manager, max_num_batched_tokens, max_num_seqs)
         self.num_steps = 0
         self.num_threads = num_threads
+        # the last completed forward: seconds, threads, whether it computed a prompt's (or context's) KV
+        self.forward_s, self.forward_threads, self.forward_prefills = 0.0, num_threads, False
         self.num_threads_max = num_threads     # see set_thread_policy
         self.max_threads_min_tokens = 0
         self.num_batch_tokens = 0      # tokens in the forward being finished (every sequence in the batch)
@@ -99,8 +102,11 @@ class BatchedEngine(EngineThread):
             torch.set_num_threads(threads)
         self.runner.interrupt = self.interrupt_check(batch)
         try:
+            started = time.perf_counter()
             with forward_span(self._name, self.metrics, batch, links):
                 logits = self.runner.forward_flat(items)
+            self.forward_s, self.forward_threads = time.perf_counter() - started, threads
+            self.forward_prefills = any(len(i.request.seq.token_ids) - i.start_pos > 1 for i in batch)
         except ForwardInterrupted:     # gave way to more urgent work: as if it never ran
             for item in batch:
                 self.interrupted(item.request)

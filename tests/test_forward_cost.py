@@ -1,0 +1,98 @@
+"""The verifier's measure of one more token's cost (VerifyResponse.token_cost) and how the gateway prices drafts
+with it: a verifier whose extra tokens are expensive (AVX2 without VNNI: ~0.4 of a one-token forward each) must not
+be sent long drafts that a cheap one (~0.05) would take."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from gateway.adaptive import DraftLengthController
+from gateway.suffix_choice import LOCAL, NONE, ProposerChoice
+from protos.specmesh.v1 import verifier_pb2, verifier_pb2_grpc
+from tests.stack import start_verifier
+from verifier_service.forward_cost import MAX_TOKENS, ForwardCost
+
+
+def feed(cost: ForwardCost, one_token_s: float, token_cost: float, threads: int = 1, rounds: int = 40) -> None:
+    """Forwards of 1 token (decoding ahead) and of 3-6 tokens (verifies) with t(n) = t1 * (1 + c * (n - 1))."""
+    for i in range(rounds):
+        n = 1 if i % 2 else 3 + i % 4
+        cost.observe(n, threads, one_token_s * (1 + token_cost * (n - 1)))
+
+
+@pytest.mark.parametrize("token_cost", [0.05, 0.4])
+def test_the_line_recovers_the_cost_of_one_more_token(token_cost: float) -> None:
+    cost = ForwardCost()
+    feed(cost, 0.116, token_cost)
+    assert cost.token_cost(1) == pytest.approx(token_cost, rel=1e-6)
+
+
+def test_unknown_until_the_forwards_differ_in_size_and_kept_per_thread_count() -> None:
+    cost = ForwardCost()
+    for _ in range(20):
+        cost.observe(1, 2, 0.075)
+    assert cost.token_cost(2) == 0.0                  # only one-token forwards: no slope yet
+    assert cost.token_cost(1) == 0.0                  # never seen at one thread
+    feed(cost, 0.116, 0.4, threads=1)
+    feed(cost, 0.075, 0.3, threads=2)
+    assert cost.token_cost(1) == pytest.approx(0.4, rel=1e-3)
+    assert cost.token_cost(2) == pytest.approx(0.3, rel=0.05)
+
+
+def test_prefills_do_not_tilt_the_line() -> None:
+    cost = ForwardCost()
+    feed(cost, 0.1, 0.05)
+    for n in (100, 400, 1000):                         # compute-bound prompts: 10 ms a token
+        cost.observe(n, 1, 0.01 * n)
+    assert n > MAX_TOKENS and cost.token_cost(1) == pytest.approx(0.05, rel=1e-6)
+
+
+def test_the_choice_takes_target_only_over_a_half_right_suffix_draft_on_an_expensive_verifier() -> None:
+    """3 drafted tokens expected to give 1 accepted: worth it where a token costs 0.05 of a forward, not at 0.6."""
+    options = {LOCAL: (1.0, 3)}
+    cheap, dear = ProposerChoice(), ProposerChoice()
+    for choice, token_cost in ((cheap, 0.05), (dear, 0.6)):
+        for _ in range(30):
+            choice.observe_cost(LOCAL, 0.0001)
+            choice.observe_verify(3, 0.1 * (1 + token_cost * 3), token_cost)
+        assert choice.verify_slope == token_cost
+        assert choice.verify_s(3) == pytest.approx(0.1 * (1 + token_cost * 3), rel=0.01)   # the prior faded
+    assert cheap.choose(dict(options)) == LOCAL
+    assert dear.choose(dict(options)) == NONE
+
+
+def test_the_draft_length_follows_the_verifiers_token_cost() -> None:
+    """Same acceptance (0.6), same draft cost; rounds all at k = 4 (no spread to fit a slope from): the reported
+    cost alone moves k."""
+    ks = {}
+    for token_cost in (0.02, 0.5):
+        ctrl = DraftLengthController(min_k=1, max_k=8, initial_k=4)
+        for i in range(60):
+            ctrl.observe_token_cost(token_cost)
+            accepted = 4 if i % 5 < 2 else i % 3      # ~0.6 per position
+            ctrl.observe(4, accepted, draft_s=0.004, verify_s=0.1 * (1 + token_cost * 4))
+            ctrl.next_k()
+        ks[token_cost] = ctrl.k
+    assert ks[0.5] < ks[0.02]
+
+
+async def test_a_verifier_reports_its_token_cost_once_its_forwards_differ_in_size() -> None:
+    """Over gRPC: 0 while every forward had one token, then a positive cost once drafted verifies ran."""
+    verifier = await start_verifier(dtype="int8", decode_ahead_tokens=0)
+    try:
+        async with grpc.aio.insecure_channel(verifier.addr) as channel:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            start = await stub.StartSession(verifier_pb2.StartSessionRequest(
+                session_id="c", prompt_token_ids=list(range(5, 30)), max_new_tokens=200))
+            replies = [await stub.Verify(verifier_pb2.VerifyRequest(session_id="c", owner_token=start.owner_token))
+                       for _ in range(3)]
+            assert [r.token_cost for r in replies] == [0.0, 0.0, 0.0]      # the prefill is not verify-sized
+            for i in range(30):                                           # drafts of 0-5 tokens (some rejected)
+                drafts = [7] * (i % 6)
+                replies.append(await stub.Verify(verifier_pb2.VerifyRequest(
+                    session_id="c", owner_token=start.owner_token, draft_token_ids=drafts)))
+            assert replies[-1].token_cost > 0
+            assert replies[-1].token_cost == pytest.approx(verifier.engine.forward_cost.token_cost(1))
+    finally:
+        await verifier.stop()

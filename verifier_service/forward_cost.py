@@ -1,0 +1,61 @@
+"""The verifier's own measure of what one more token costs in a forward, for the gateway's draft pricing.
+
+Per thread count (a step that decodes ahead on one thread beside the draft model costs differently from a verify on
+two), a decayed least-squares line through (tokens in the forward, seconds) of recent forwards:
+
+    t(n) = a + b * n,    token_cost = b / (a + b)    (one more token, relative to a one-token forward)
+
+Only verify-sized forwards count (n <= MAX_TOKENS; the engine leaves out any forward that computes a prompt's KV):
+a prefill is compute-bound all the way, while a decode-sized forward streams the weights once and pays for extra
+tokens only beyond that, so prefills would tilt the line. Until the forwards seen have some spread in n the slope is
+unknown (0). Plain floats, no clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_TOKENS = 32        # forwards with more tokens are not verify-sized
+DECAY = 0.98           # weight an old forward keeps per new one (memory ~50 forwards)
+MIN_VARIANCE = 0.2     # spread in n (tokens squared) below which the slope is not identifiable
+MAX_COST = 2.0         # a token costing more than two one-token forwards is noise (e.g. a preempted step)
+
+
+@dataclass
+class _Line:
+    w: float = 0.0
+    sn: float = 0.0
+    st: float = 0.0
+    snn: float = 0.0
+    snt: float = 0.0
+
+    def add(self, n: int, t: float) -> None:
+        self.w, self.sn, self.st = DECAY * self.w + 1, DECAY * self.sn + n, DECAY * self.st + t
+        self.snn, self.snt = DECAY * self.snn + n * n, DECAY * self.snt + n * t
+
+    def token_cost(self) -> float:
+        if self.w <= 0:
+            return 0.0
+        mean_n, mean_t = self.sn / self.w, self.st / self.w
+        var_n = self.snn / self.w - mean_n * mean_n
+        if var_n < MIN_VARIANCE:
+            return 0.0
+        b = max(0.0, (self.snt / self.w - mean_n * mean_t) / var_n)
+        one = mean_t + b * (1 - mean_n)                      # t(1) = a + b
+        return min(MAX_COST, b / one) if one > 0 else 0.0
+
+
+class ForwardCost:
+    """token_cost per thread count, fed every forward the engine completes."""
+
+    def __init__(self) -> None:
+        self._lines: dict[int, _Line] = {}
+
+    def observe(self, num_tokens: int, num_threads: int, seconds: float) -> None:
+        if 0 < num_tokens <= MAX_TOKENS and seconds > 0:
+            self._lines.setdefault(num_threads, _Line()).add(num_tokens, seconds)
+
+    def token_cost(self, num_threads: int) -> float:
+        """One more token's cost relative to a one-token forward at `num_threads` (0 = not measured yet)."""
+        line = self._lines.get(num_threads)
+        return line.token_cost() if line is not None else 0.0
