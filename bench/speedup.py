@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -68,6 +69,7 @@ from bench.speedup_arms import (
     REPEAT_ARMS,
     STACK_ARMS,
     Layout,
+    cpu_list,
     gateway_fields,
     missing_features,
     prompt_cap,
@@ -184,11 +186,16 @@ async def stack_phase(args: argparse.Namespace, layout: Layout, arms: list[str],
     target, draft = PRESETS[args.preset]
     proxy = WanProxy(base + 3, f"127.0.0.1:{base + 2}", bandwidth_bps=args.bandwidth_mbps * 1e6 / 8)
     await proxy.start()
+    gateways = ["gateway", *(f"gateway-{arm}" for arm in arms)]
+    others = {name: layout.others_cpus for name in gateways if layout.others_cpus}
     stack = Stack(StackConfig(target=target, draft=draft, gateway_port=base, verifier_port=base + 1,
                               draft_port=base + 2, num_threads=layout.draft_threads,
                               verifier_threads=layout.verifier_threads, draft_link_addr=proxy.address,
-                              extra_env={**parse_env(args.env), **BASE_ENV}, taskset=dict(layout.pin),
+                              extra_env={**parse_env(args.env), **BASE_ENV}, taskset={**dict(layout.pin), **others},
                               nice=dict(layout.nice)))
+    own_cpus = os.sched_getaffinity(0)
+    if layout.others_cpus:                   # this process: the client and the WAN proxy
+        os.sched_setaffinity(0, cpu_list(layout.others_cpus))
     proxies: list[WanProxy] = []
     log(f"layout {layout.name}: starting {args.preset} stack ({target} + {draft}), {layout.description}")
     try:
@@ -210,6 +217,7 @@ async def stack_phase(args: argparse.Namespace, layout: Layout, arms: list[str],
         await asyncio.to_thread(stack.stop)
         for p in (proxy, *proxies):
             await p.stop()
+        os.sched_setaffinity(0, own_cpus)
 
 
 async def run_stack_arms(args: argparse.Namespace, layout: str, prompts: dict[int, list[Prompt]], arms: list[str],

@@ -69,16 +69,30 @@ class Layout:
     # `nice -n` per service: in layout a the model services stand for hosts of their own, so the gateway, the WAN
     # proxy and the client (other hosts, unpinned here) must not wait behind them for a core
     nice: tuple[tuple[str, int], ...] = ()
+    # `taskset -c` cpu list of every gateway and of the benchmark's own process (the client and the WAN proxy); ""
+    # = unpinned. In layout a they share the draft's core: unpinned, the kernel woke them on the verifier's core
+    # now and then (next to the thread that answered them) and target-only swung between 4.9 and 8.2 tok/s.
+    # Conservative for speculation: the draft model pays for their CPU, target-only does not.
+    others_cpus: str = ""
 
 
 LAYOUTS: dict[str, Layout] = {
     "a": Layout("a", "two hosts simulated: verifier on core 0, draft service on core 1 (1 thread each); "
-                     "target-only = the verifier alone on its core; both services at nice 10 (the gateway, "
-                     "proxy and client stand for other hosts)", 1, 1, (("verifier", "0"), ("draft", "1")), 1,
-                (("verifier", 10), ("draft", 10))),
+                     "target-only = the verifier alone on its core; both services at nice 10, the gateways, "
+                     "proxy and client pinned to the draft's core", 1, 1, (("verifier", "0"), ("draft", "1")), 1,
+                (("verifier", 10), ("draft", 10)), "1"),
     "b": Layout("b", "one 2-core host: nothing pinned, verifier 2 threads (target-only uses both cores), "
                      "draft 1 thread", 2, 1, (), 2),
 }
+
+
+def cpu_list(spec: str) -> set[int]:
+    """A `taskset -c` cpu list ("1", "0-1,3") as a set of cpu numbers."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.strip().partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
 
 
 def run_key(layout: str, length: int) -> str:

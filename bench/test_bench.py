@@ -30,7 +30,7 @@ from bench.soak_report import (
     tally,
     verdict,
 )
-from bench.speedup_arms import ARM_ENV, LAYOUTS, missing_features, parse_run_key, prompt_cap, run_key
+from bench.speedup_arms import ARM_ENV, LAYOUTS, cpu_list, missing_features, parse_run_key, prompt_cap, run_key
 from bench.speedup_goals import format_goal, goals_for_length, greedy_goal, limiting_term, round_terms
 from bench.speedup_stats import analytic_speedup, pooled_acceptance, position_acceptance, speedups
 from specmesh.launcher import Stack, StackConfig
@@ -244,6 +244,9 @@ def test_feature_arms_are_na_until_the_gateway_has_their_fields() -> None:
 def test_layouts_pin_a_and_share_b_and_lengths_cap_prompts() -> None:
     assert dict(LAYOUTS["a"].pin) == {"verifier": "0", "draft": "1"} and LAYOUTS["a"].verifier_threads == 1
     assert LAYOUTS["b"].pin == () and LAYOUTS["b"].verifier_threads == 2
+    # layout a keeps the verifier's core to the verifier: gateways, client and proxy go to the draft's core
+    assert cpu_list(LAYOUTS["a"].others_cpus) == {1} and LAYOUTS["b"].others_cpus == ""
+    assert cpu_list("0-2,5") == {0, 1, 2, 5}
     assert parse_run_key(run_key("b", 256)) == ("b", 256)
     assert prompt_cap(64, [64, 256], 0, 1) == 0 and prompt_cap(256, [64, 256], 0, 1) == 1
     assert prompt_cap(256, [64, 256], 2, 0) == 2

@@ -15,7 +15,9 @@ times that proposer's measured calibration at the node's depth (decayed accepted
 shrunk toward the proposer's pooled calibration, which starts from 1); for the draft model, from its measured
 acceptance per position (`gateway.adaptive.DraftLengthController`, fed only the model's rounds, and
 `expected_tokens`). Target-only (nothing drafted) competes too. A proposer not chosen for `PROBE_EVERY` rounds is
-chosen once, so an estimate that went wrong can recover.
+chosen once, so an estimate that went wrong can recover; one whose round costs much more than the best one's waits
+longer, so that probes take at most `PROBE_BUDGET` of the time (on a CPU where verifying drafts is dear, a draft
+model round can cost five target-only rounds: probing it every 16 rounds cost a quarter of the decode time).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ DECAY = 0.85                 # weight an old observation keeps per new one
 VERIFY_SLOPE = 0.1           # extra verify time per drafted token, relative to a one-token verify (until measured)
 PRIOR_VERIFY_S = 0.15        # before any verify was measured (a CPU verify of the real pair: ~150-215 ms)
 PROBE_EVERY = 16             # rounds a drafting proposer may go unchosen before it gets one round
+PROBE_BUDGET = 0.1           # ... at least: its extra round time over the best's, per best-round time spent since
 MAX_MODEL_K = 64
 MAX_DEPTH = 32               # suffix calibration per depth up to here (deeper nodes share the last)
 DEPTH_SHRINK = 2.0           # pseudo-observations pulling a depth's calibration toward the pooled one
@@ -76,10 +79,13 @@ class ProposerChoice:
         calibration = self._calibration[proposer]
         return sum(calibration.at(d) * p for d, p in zip(depths(proposal.parents), proposal.probs, strict=True))
 
+    def round_s(self, proposer: str, num_tokens: int) -> float:
+        """Expected seconds of a round drafted by `proposer` (`num_tokens` drafts): its cost plus the verify."""
+        return self.verify_s(num_tokens) + self.cost_s(proposer, num_tokens)
+
     def rate(self, proposer: str, expected: float, num_tokens: int) -> float:
         """Expected tokens per second of a round drafted by `proposer` (`expected` accepted of `num_tokens`)."""
-        seconds = self.verify_s(num_tokens) + self.cost_s(proposer, num_tokens)
-        return (1.0 + expected) / max(seconds, 1e-6)
+        return (1.0 + expected) / max(self.round_s(proposer, num_tokens), 1e-6)
 
     # ------------------------------------------------------------------ decision
     def choose(self, options: dict[str, tuple[float, int]]) -> str:
@@ -89,8 +95,11 @@ class ProposerChoice:
         drafting = [p for p in options if p != NONE]
         for p in drafting:
             self._unchosen[p] = self._unchosen.get(p, 0) + 1
-        starved = [p for p in drafting if self._unchosen[p] > PROBE_EVERY]
-        best = starved[0] if starved else max(options, key=lambda p: self.rate(p, *options[p]))
+        best = max(options, key=lambda p: self.rate(p, *options[p]))
+        best_s = self.round_s(best, options[best][1])
+        starved = [p for p in drafting if p != best and self._unchosen[p] > PROBE_EVERY
+                   and self._unchosen[p] * best_s * PROBE_BUDGET >= self.round_s(p, options[p][1]) - best_s]
+        best = starved[0] if starved else best
         self._unchosen[best] = 0
         return best
 

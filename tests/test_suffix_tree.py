@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from gateway.draft_link import DraftLink
 from gateway.drafters import Draft
-from gateway.suffix_choice import GLOBAL, LOCAL, MODEL, NONE, PROBE_EVERY, ProposerChoice, depths
+from gateway.suffix_choice import GLOBAL, LOCAL, MODEL, NONE, PROBE_BUDGET, PROBE_EVERY, ProposerChoice, depths
 from gateway.suffix_drafter import with_branches
 from gateway.suffix_index import ContextIndex
 from gateway.suffix_tree import CountNode, accepted_nodes, merge_tries, speculate, trie_from_continuations
@@ -175,6 +175,23 @@ def test_choice_probes_an_unchosen_proposer() -> None:
     options = {LOCAL: (3.0, 4), MODEL: (choice.expected_model(4), 4)}
     picks = Counter(choice.choose(options) for _ in range(3 * (PROBE_EVERY + 1)))
     assert picks[MODEL] == 3 and picks[LOCAL] == 3 * PROBE_EVERY
+
+
+def test_a_dear_proposer_is_probed_less_often() -> None:
+    """Probes take at most PROBE_BUDGET of the time: a model round costing 0.32 s beyond an 0.08 s target-only round
+    is tried once in 40 rounds, not once in 17."""
+    choice = ProposerChoice()
+    for _ in range(40):
+        choice.observe_verify(0, 0.08)
+        choice.observe_model(4, 0, 0.3, 0.1)
+        choice.observe_cost(MODEL, 0.3)
+    options = {MODEL: (choice.expected_model(4), 4)}
+    assert choice.round_s(MODEL, 4) - choice.round_s(NONE, 0) == pytest.approx(0.32, rel=0.05)
+    picks = [choice.choose(options) for _ in range(200)]
+    probes = [i for i, p in enumerate(picks) if p == MODEL]
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert len(probes) >= 4 and all(38 <= g <= 44 for g in gaps), gaps
+    assert 0.32 / (gaps[0] * choice.round_s(NONE, 0)) <= PROBE_BUDGET * 1.05
 
 
 class _BackingOffModel:
