@@ -39,7 +39,8 @@ Hysteresis. k changes only when the best candidate beats the current k's predict
 (relative) for `patience` consecutive rounds; one outlier round cannot flip k (and is also damped by the decay).
 
 Probing. At k = 0 nothing about acceptance is learned, so every `probe_every` rounds one round drafts `probe_k`
-tokens; if the draft has become good, the estimate rises and k leaves 0.
+tokens; if the draft has become good, the estimate rises and k leaves 0. A probe costing T(probe_k) - T(0) more than
+a target-only round waits until that is at most `probe_budget` of the rounds' time since the last one.
 
 Trees. With tree drafting every alternative is a leaf beside a chain token: when the target rejects that chain
 token and picks the alternative, the round gains exactly one token; each alternative node costs one more verified
@@ -68,7 +69,8 @@ class AdaptiveParams:
     verify_rel_slope: float = 0.1    # s: extra verify cost per drafted token, relative to a 1-token verify
     margin: float = 0.05             # switch only if the new k predicts > 5% more tokens/s
     patience: int = 2                # ... for this many consecutive rounds
-    probe_every: int = 16            # at k == 0, draft probe_k tokens once every probe_every rounds
+    probe_every: int = 16            # at k == 0, draft probe_k tokens once every probe_every rounds at least
+    probe_budget: float = 0.1        # ... and no more often than keeps the probes' extra time under this share
     probe_k: int = 2
     load_batch_low: int = 64         # verifier batch tokens where speculation starts being cut
     load_batch_off: int = 512        # ... and where it is off
@@ -184,9 +186,21 @@ class DraftLengthController:
         k = min(self.k, max(self.min_k, self.load_cap()))
         if k == 0 and self.k == 0 and self.max_k > 0 and self.load_cap() > 0:
             self._rounds_at_zero += 1
-            if self._rounds_at_zero % self.params.probe_every == 0:
+            if self._probe_due():
+                self._rounds_at_zero = 0
                 return min(self.params.probe_k, self.max_k)
         return k
+
+    def _probe_due(self) -> bool:
+        """At k = 0: `probe_every` rounds since the last probe, and as many more as keep the probes' extra time
+        within `probe_budget` of the time spent (a dear probe waits longer)."""
+        p = self.params
+        if self._rounds_at_zero < p.probe_every:
+            return False
+        zero, probe = self.round_time(0), self.round_time(min(p.probe_k, self.max_k))
+        if zero is None or probe is None:
+            return True
+        return self._rounds_at_zero * zero * p.probe_budget >= probe - zero
 
     def _update_k(self) -> None:
         best = self.best_k()

@@ -122,6 +122,19 @@ def test_probing_recovers_from_zero_when_draft_improves() -> None:
     assert ctrl.k >= 8
 
 
+def test_a_dear_probe_from_zero_waits_longer() -> None:
+    """At k = 0 a probe of 2 drafts costs 0.2 s of drafting plus the dearer verify over a 0.1 s target-only round:
+    it comes once in ~25 rounds (probes at most 10% of the time), not every 16."""
+    ctrl = DraftLengthController(min_k=0, max_k=8, initial_k=4)
+    run_rounds(ctrl, 40, acceptance=0.0, draft_per_token=0.1, verify_base=0.1, verify_per_token=0.02)
+    assert ctrl.k == 0
+    extra = ctrl.round_time(2) - ctrl.round_time(0)
+    ks = run_rounds(ctrl, 200, acceptance=0.0, draft_per_token=0.1, verify_base=0.1, verify_per_token=0.02)
+    probes = [i for i, k in enumerate(ks) if k > 0]
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert extra == pytest.approx(0.24, rel=0.1) and gaps and min(gaps) >= 22, gaps
+
+
 def test_rejects_bad_counts() -> None:
     ctrl = DraftLengthController()
     with pytest.raises(ValueError):
