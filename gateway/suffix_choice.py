@@ -112,6 +112,7 @@ class ProposerChoice:
         relative to a one-token forward (0 = not reported: keep the last one)."""
         if token_cost > 0:
             self.verify_slope = token_cost
+            self.model.observe_token_cost(token_cost)
         self._verify_base.add(max(0.0, seconds) / (1 + self.verify_slope * num_tokens))
 
     def observe_suffix(self, proposer: str, proposal: Proposal, accepted_nodes: list[int]) -> None:

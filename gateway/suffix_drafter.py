@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gateway.draft_tree import main_chain_len
 from gateway.drafters import NO_DRAFT, Draft, ModelDrafter
 from gateway.round_spans import cache_lookup_span
 from gateway.suffix_choice import GLOBAL, LOCAL, MODEL, ProposerChoice
@@ -58,6 +59,9 @@ class SuffixDrafter(TieredDrafter):
         self.index = ContextIndex()
         self.choice = ProposerChoice()
         self._round: _Round | None = None
+        if getattr(model, "tree_width", 0) > 0 and getattr(model, "tree_pricing", None) is None:
+            # no adaptive draft length to price the model's tree width: the choice's model estimates do it
+            model.tree_pricing = self.choice.model.tree_width        # type: ignore[union-attr]
 
     async def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
         self._round = None
@@ -150,9 +154,13 @@ class SuffixDrafter(TieredDrafter):
         # (a verifier that decoded ahead may send more than one target token after the accepted drafts)
         accepted_ids = output_ids[done.num_output:done.num_output + num_accepted]
         if done.proposer == MODEL:
-            chain = done.draft.token_ids[:done.model_len]
-            self.choice.observe_model(len(chain), common_prefix_len(chain, accepted_ids),
-                                      self.choice.cost_s(MODEL, len(chain)), verify_s)
+            # the model's own chain (a tree from the draft service puts its alternatives after the chain)
+            chain_len = main_chain_len(done.draft.parents, done.model_len)
+            chain = done.draft.token_ids[:chain_len]
+            accepted_on_chain = common_prefix_len(chain, accepted_ids)
+            self.choice.observe_model(len(chain), accepted_on_chain, self.choice.cost_s(MODEL, len(chain)), verify_s)
+            if done.model_len > chain_len:
+                self.choice.model.observe_tree(done.model_len - chain_len, num_accepted > accepted_on_chain)
         if done.proposer != MODEL or len(done.draft.token_ids) > done.model_len:
             self.choice.observe_suffix(done.suffix_from, done.suffix, accepted_nodes(done.suffix, accepted_ids))
 

@@ -222,3 +222,38 @@ async def test_suffix_drafting_gives_the_model_back_after_a_draft_link_backoff()
     assert model.num_calls == 0 and model.skip_rounds == 0
     draft = await drafter.propose([1, 2, 3, 9], 4)
     assert model.num_calls == 1 and draft.token_ids == [7, 7, 7, 7]
+
+
+class _TreeModel(_BackingOffModel):
+    """A draft model that returns a chain of 3 and one alternative leaf at position 1 (the draft service's tree),
+    and leaves pricing its tree width to whoever sets `tree_pricing`."""
+
+    def __init__(self) -> None:
+        super().__init__(backoff_rounds=0)
+        self.tree_width, self.tree_pricing = 1, None
+
+    async def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
+        self.num_calls += 1
+        return Draft([7, 8, 9, 5], None, common_pb2.DRAFT_SOURCE_MODEL, [-1, 0, 1, 0])
+
+
+async def test_the_choice_learns_the_models_chain_and_its_tree_alternatives_apart() -> None:
+    """Regression: a tree from the draft service was scored as a 4-token chain, so its alternative leaf read as a
+    rejected chain token (acceptance diluted); and with no adaptive draft length its width went unpriced."""
+    model = _TreeModel()
+    tiers = DraftTiers(TierSettings(vocab_size=512, suffix_drafting=True), None)
+    drafter = tiers.drafter(SimpleNamespace(prompt_ids=[1, 2, 3], max_new_tokens=64), model, "t")  # type: ignore
+    assert model.tree_pricing == drafter.choice.model.tree_width       # the suffix drafter prices the width
+    output: list[int] = []
+    for i in range(8):                                                 # the whole chain is accepted every time
+        draft = await drafter.propose([1, 2, 3, *output], 4)
+        assert draft.parents == [-1, 0, 1, 0]
+        output += [7, 8, 9, 100 + i]                                   # the chain, then the target's own token
+        drafter.observe(draft, 3, list(output), token_cost=0.4)
+    assert drafter.choice.model.acceptance() > 0.9
+    missed = drafter.choice.model.alternative_hit_rate()
+    assert missed < 0.15                                               # the alternative never hit (prior: 0.2)
+    draft = await drafter.propose([1, 2, 3, *output], 4)
+    output += [7, 5, 200]                                              # now it did: 7, then the alternative 5
+    drafter.observe(draft, 2, list(output), token_cost=0.4)
+    assert drafter.choice.model.alternative_hit_rate() > missed
