@@ -59,6 +59,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specmesh.decayed_line import DecayedLine
+
 
 @dataclass(frozen=True)
 class AdaptiveParams:
@@ -94,24 +96,22 @@ class _DecayedLine:
     the verifier measured itself (`measured_slope` > 0) is used instead of the fitted one."""
 
     def __init__(self, decay: float, rel_slope: float) -> None:
-        self.decay, self.rel_slope = decay, rel_slope
+        self.rel_slope = rel_slope
         self.measured_slope = 0.0
-        self.w = self.sk = self.skk = self.st = self.skt = 0.0
+        self.points = DecayedLine(decay)
 
     def add(self, k: int, t: float) -> None:
-        d = self.decay
-        self.w, self.sk, self.skk = d * self.w + 1, d * self.sk + k, d * self.skk + k * k
-        self.st, self.skt = d * self.st + t, d * self.skt + k * t
+        self.points.add(k, t)
 
     def __call__(self, k: int) -> float | None:
-        if self.w <= 0:
+        moments = self.points.moments()
+        if moments is None:
             return None
-        mean_k, mean_t = self.sk / self.w, self.st / self.w
-        var_k = self.skk / self.w - mean_k ** 2
+        mean_k, mean_t, var_k = moments
         if self.measured_slope > 0 or var_k < 0.25:   # measured, or (almost) a single k seen: scale the mean
             s = self.measured_slope or self.rel_slope
             return mean_t * (1 + s * k) / (1 + s * mean_k)
-        slope = max(0.0, (self.skt / self.w - mean_k * mean_t) / var_k)
+        slope = max(0.0, self.points.slope())
         return max(0.0, mean_t + slope * (k - mean_k))
 
 

@@ -13,7 +13,7 @@ unknown (0). Plain floats, no clock.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from specmesh.decayed_line import DecayedLine
 
 MAX_TOKENS = 32        # forwards with more tokens are not verify-sized
 DECAY = 0.98           # weight an old forward keeps per new one (memory ~50 forwards)
@@ -21,41 +21,28 @@ MIN_VARIANCE = 0.2     # spread in n (tokens squared) below which the slope is n
 MAX_COST = 2.0         # a token costing more than two one-token forwards is noise (e.g. a preempted step)
 
 
-@dataclass
-class _Line:
-    w: float = 0.0
-    sn: float = 0.0
-    st: float = 0.0
-    snn: float = 0.0
-    snt: float = 0.0
-
-    def add(self, n: int, t: float) -> None:
-        self.w, self.sn, self.st = DECAY * self.w + 1, DECAY * self.sn + n, DECAY * self.st + t
-        self.snn, self.snt = DECAY * self.snn + n * n, DECAY * self.snt + n * t
-
-    def token_cost(self) -> float:
-        if self.w <= 0:
-            return 0.0
-        mean_n, mean_t = self.sn / self.w, self.st / self.w
-        var_n = self.snn / self.w - mean_n * mean_n
-        if var_n < MIN_VARIANCE:
-            return 0.0
-        b = max(0.0, (self.snt / self.w - mean_n * mean_t) / var_n)
-        one = mean_t + b * (1 - mean_n)                      # t(1) = a + b
-        return min(MAX_COST, b / one) if one > 0 else 0.0
+def _token_cost(line: DecayedLine) -> float:
+    """b / (a + b) of the line t(n) = a + b * n; 0 while n has too little spread."""
+    moments = line.moments()
+    if moments is None or moments[2] < MIN_VARIANCE:
+        return 0.0
+    mean_n, mean_t, _ = moments
+    b = max(0.0, line.slope())
+    one = mean_t + b * (1 - mean_n)                      # t(1) = a + b
+    return min(MAX_COST, b / one) if one > 0 else 0.0
 
 
 class ForwardCost:
     """token_cost per thread count, fed every forward the engine completes."""
 
     def __init__(self) -> None:
-        self._lines: dict[int, _Line] = {}
+        self._lines: dict[int, DecayedLine] = {}
 
     def observe(self, num_tokens: int, num_threads: int, seconds: float) -> None:
         if 0 < num_tokens <= MAX_TOKENS and seconds > 0:
-            self._lines.setdefault(num_threads, _Line()).add(num_tokens, seconds)
+            self._lines.setdefault(num_threads, DecayedLine(DECAY)).add(num_tokens, seconds)
 
     def token_cost(self, num_threads: int) -> float:
         """One more token's cost relative to a one-token forward at `num_threads` (0 = not measured yet)."""
         line = self._lines.get(num_threads)
-        return line.token_cost() if line is not None else 0.0
+        return _token_cost(line) if line is not None else 0.0

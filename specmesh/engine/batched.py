@@ -19,7 +19,7 @@ from specmesh.engine.errors import ForwardInterrupted
 from specmesh.engine.loop import EngineError, EngineThread
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
 from specmesh.engine.scheduler import ForwardRequest, ScheduledItem, Scheduler, SeqState
-from specmesh.telemetry.engine_step import forward_span
+from specmesh.telemetry.engine_step import forward_span, num_context_tokens
 from specmesh.telemetry.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class BatchedEngine(EngineThread):
             with forward_span(self._name, self.metrics, batch, links):
                 logits = self.runner.forward_flat(items)
             self.forward_s, self.forward_threads = time.perf_counter() - started, threads
-            self.forward_prefills = any(len(i.request.seq.token_ids) - i.start_pos > 1 for i in batch)
+            self.forward_prefills = any(num_context_tokens(i) > 1 for i in batch)
         except ForwardInterrupted:     # gave way to more urgent work: as if it never ran
             for item in batch:
                 self.interrupted(item.request)

@@ -31,9 +31,15 @@ def _links(contexts: Iterable[SpanContext | None]) -> list[Link]:
     return links
 
 
+def num_context_tokens(item: ScheduledItem) -> int:
+    """Tokens of the item that are already in its sequence (more than 1: it computes a prompt's or context's KV;
+    the rest of the item, if any, are drafts)."""
+    return min(len(item.token_ids), len(item.request.seq.token_ids) - item.start_pos)
+
+
 def batch_attributes(batch: Sequence[ScheduledItem]) -> dict[str, int]:
     """Sequences and tokens of a forward; prefill = context tokens beyond the one-token decode step."""
-    context = [min(len(i.token_ids), len(i.request.seq.token_ids) - i.start_pos) for i in batch]
+    context = [num_context_tokens(i) for i in batch]
     return {"specmesh.batch.num_seqs": len(batch), "specmesh.batch.num_tokens": sum(len(i.token_ids) for i in batch),
             "specmesh.batch.num_prefill_tokens": sum(n for n in context if n > 1)}
 
