@@ -79,9 +79,16 @@ def test_no_stop_strings_passes_everything_through() -> None:
 )
 @HYPO
 def test_stop_matcher_matches_reference(text: str, cuts: list[int], stops: list[str]) -> None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    expected = text[: min(hits)] if hits else text
+    """Streaming semantics: generation ends at the first piece after which some stop string has appeared; the output
+    is the text before the earliest stop string seen by then (a longer stop that would have started earlier but is
+    not complete yet never completes: nothing is generated after the stop)."""
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    hits: list[int] = []
+    for end in bounds:
+        hits = [i for i in (text[:end].find(s) for s in stops) if i >= 0]
+        if hits:
+            break
+    expected = text[: min(hits)] if hits else text
     pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
     matcher = StopMatcher(stops)
     emitted = ""
