@@ -57,7 +57,7 @@ the whole verifier, not this session.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specmesh.decayed_line import DecayedLine
 
@@ -89,6 +89,44 @@ def expected_tokens(position_acceptance: list[float], k: int) -> float:
         survive *= p
         total += survive
     return total
+
+
+@dataclass(frozen=True)
+class ControllerMemory:
+    """What a controller has learned, as its decayed sums: a finished request's, or several blended
+    (gateway/learned_priors.py). `rounds` is the decayed number of rounds behind them (the verify line's weight).
+    rtt_s and token_cost are estimates, not sums: blending keeps the newest known one."""
+    succ: tuple[float, ...]
+    fail: tuple[float, ...]
+    draft_time: float
+    draft_tokens: float
+    verify: tuple[float, float, float, float, float]    # DecayedLine sums (w, sx, sxx, st, sxt)
+    rtt_s: float | None
+    token_cost: float
+    alt_nodes: float
+    alt_hits: float
+
+    @property
+    def rounds(self) -> float:
+        return self.verify[0]
+
+    def scaled(self, factor: float) -> ControllerMemory:
+        """Every sum times `factor` (the same means, `factor` times the evidence)."""
+        return replace(self, succ=tuple(factor * s for s in self.succ), fail=tuple(factor * f for f in self.fail),
+                       draft_time=factor * self.draft_time, draft_tokens=factor * self.draft_tokens,
+                       verify=tuple(factor * v for v in self.verify),   # type: ignore[arg-type]
+                       alt_nodes=factor * self.alt_nodes, alt_hits=factor * self.alt_hits)
+
+    def plus(self, newer: ControllerMemory) -> ControllerMemory:
+        """The evidence of both (sums added; positions padded to the longer); estimates from `newer` when known."""
+        def add(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:
+            n = max(len(a), len(b))
+            return tuple((a[i] if i < len(a) else 0.0) + (b[i] if i < len(b) else 0.0) for i in range(n))
+        return ControllerMemory(
+            add(self.succ, newer.succ), add(self.fail, newer.fail), self.draft_time + newer.draft_time,
+            self.draft_tokens + newer.draft_tokens, add(self.verify, newer.verify),   # type: ignore[arg-type]
+            newer.rtt_s if newer.rtt_s is not None else self.rtt_s, newer.token_cost or self.token_cost,
+            self.alt_nodes + newer.alt_nodes, self.alt_hits + newer.alt_hits)
 
 
 class _DecayedLine:
@@ -277,3 +315,28 @@ class DraftLengthController:
         self._queue = d * self._queue + (1 - d) * queue_len
         self._batch = d * self._batch + (1 - d) * batch_tokens
         self._load_seen = True
+
+    # ------------------------------------------------------------------ memory across requests
+    def memory(self) -> ControllerMemory:
+        line = self._verify.points
+        return ControllerMemory(tuple(self._succ), tuple(self._fail), self._draft_time, self._draft_tokens,
+                                (line.w, line.sx, line.sxx, line.st, line.sxt), self._rtt,
+                                self._verify.measured_slope, self._alt_nodes, self._alt_hits)
+
+    def remember(self, memory: ControllerMemory, max_rounds: float) -> None:
+        """Start from what earlier requests learned, worth at most `max_rounds` rounds of evidence (a new request's
+        own rounds soon outweigh it: its content may differ), and from the draft length that predicts the most
+        tokens/s under it, at least 1 while speculation is allowed (k = 0 learns no acceptance but by probes)."""
+        if memory.rounds <= 0:
+            return
+        m = memory.scaled(min(1.0, max_rounds / memory.rounds))
+        n = self.max_k
+        self._succ = [m.succ[i] if i < len(m.succ) else 0.0 for i in range(n)]
+        self._fail = [m.fail[i] if i < len(m.fail) else 0.0 for i in range(n)]
+        self._draft_time, self._draft_tokens = m.draft_time, m.draft_tokens
+        line = self._verify.points
+        line.w, line.sx, line.sxx, line.st, line.sxt = m.verify
+        self._verify.measured_slope = m.token_cost
+        self._rtt = m.rtt_s
+        self._alt_nodes, self._alt_hits = m.alt_nodes, m.alt_hits
+        self.k = min(max(self.best_k(), self.min_k, 1 if self.max_k > 0 else 0), self.max_k)

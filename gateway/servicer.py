@@ -15,12 +15,15 @@ from transformers import PreTrainedTokenizerBase
 
 from gateway.adaptive import DraftLengthController
 from gateway.drafters import ModelDrafter
+from gateway.learned_priors import LearnedPriors, PriorKey
 from gateway.request_state import RequestState, RoundEvent
 from gateway.request_telemetry import RequestTelemetry
 from gateway.round_loop import Generation, RoundOutput
 from gateway.round_outcomes import RoundOutcomes
+from gateway.suffix_choice import ProposerChoice
+from gateway.suffix_drafter import SuffixDrafter
 from gateway.text_stream import TextStream
-from gateway.tiers import DraftTiers
+from gateway.tiers import DraftTiers, tenant_from_metadata
 from gateway.validation import GenerationParams, validate_request
 from protos.specmesh.v1 import common_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, verifier_pb2_grpc
 from specmesh.config import GatewayConfig
@@ -64,6 +67,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.draft = draft
         self._cleanups: set[asyncio.Task[None]] = set()
         self.outcomes = RoundOutcomes()             # how model-drafted rounds ended (gateway-wide counters)
+        self.priors = LearnedPriors() if config.learned_priors else None   # what ended requests measured
 
     async def Generate(self, request: generate_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
@@ -93,6 +97,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             await context.abort(status_code(exc.code), str(exc))
         telemetry.started(params)
         generation = self._new_generation(params, context, telemetry.context)
+        prior_key = PriorKey(tenant_from_metadata(context.invocation_metadata(),
+                                                  self.tiers.api_keys if self.tiers else None) or "",
+                             not params.sampling.is_greedy)
+        learners = generation.draft_length, _choice_of(generation.drafter)
+        if self.priors is not None:
+            self.priors.start(prior_key, *learners)
         try:
             async for response in self._stream(params, generation):
                 telemetry.on_response(response)
@@ -102,6 +112,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             await context.abort(exc.code(), f"verifier: {exc.details()}")
         finally:
             telemetry.end(sys.exc_info()[1])
+            if self.priors is not None:
+                self.priors.finish(prior_key, *learners)
             # A cancelled client must still release its KV blocks: run the cleanup as its own task.
             task = asyncio.ensure_future(generation.close())
             self._cleanups.add(task)
@@ -192,3 +204,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                   num_rounds=progress.num_rounds, num_drafted_tokens=progress.num_drafted,
                                   num_accepted_tokens=progress.num_accepted, acceptance_rate=rate,
                                   mean_tokens_per_round=per_round)
+
+
+def _choice_of(drafter: object) -> ProposerChoice | None:
+    return drafter.choice if isinstance(drafter, SuffixDrafter) else None

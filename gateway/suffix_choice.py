@@ -22,9 +22,9 @@ model round can cost five target-only rounds: probing it every 16 rounds cost a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from gateway.adaptive import DraftLengthController, expected_tokens
+from gateway.adaptive import ControllerMemory, DraftLengthController, expected_tokens
 from gateway.suffix_tree import Proposal
 
 LOCAL, GLOBAL, MODEL, NONE = "local", "global", "model", "none"
@@ -53,6 +53,49 @@ class _Decayed:
         return self.total / self.weight if self.weight > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class ChoiceMemory:
+    """What a ProposerChoice learned (its decayed sums), to start later requests from (gateway/learned_priors.py).
+    Sums are (total, weight) pairs; a calibration is (pooled total, pooled weight, accepted per depth, predicted per
+    depth). `rounds`: the decayed number of verified rounds behind them."""
+    rounds: float
+    verify_base: tuple[float, float]
+    verify_slope: float
+    costs: tuple[tuple[str, float, float], ...]
+    calibrations: tuple[tuple[str, float, float, tuple[float, ...], tuple[float, ...]], ...]
+    model: ControllerMemory | None = field(default=None)
+
+    def scaled(self, factor: float) -> ChoiceMemory:
+        return ChoiceMemory(
+            factor * self.rounds, (factor * self.verify_base[0], factor * self.verify_base[1]), self.verify_slope,
+            tuple((p, factor * t, factor * w) for p, t, w in self.costs),
+            tuple((p, factor * t, factor * w, tuple(factor * a for a in acc), tuple(factor * x for x in pred))
+                  for p, t, w, acc, pred in self.calibrations),
+            self.model.scaled(factor) if self.model else None)
+
+    def plus(self, newer: ChoiceMemory) -> ChoiceMemory:
+        def merge(a: dict[str, tuple], b: dict[str, tuple]) -> dict[str, tuple]:
+            out = dict(a)
+            for key, value in b.items():
+                out[key] = value if key not in out else tuple(_add(x, y) for x, y in zip(out[key], value,
+                                                                                          strict=True))
+            return out
+        costs = merge({p: (t, w) for p, t, w in self.costs}, {p: (t, w) for p, t, w in newer.costs})
+        cals = merge({c[0]: c[1:] for c in self.calibrations}, {c[0]: c[1:] for c in newer.calibrations})
+        model = newer.model if self.model is None else self.model if newer.model is None else \
+            self.model.plus(newer.model)
+        return ChoiceMemory(self.rounds + newer.rounds,
+                            (self.verify_base[0] + newer.verify_base[0], self.verify_base[1] + newer.verify_base[1]),
+                            newer.verify_slope, tuple((p, *v) for p, v in costs.items()),
+                            tuple((p, *v) for p, v in cals.items()), model)
+
+
+def _add(x: float | tuple[float, ...], y: float | tuple[float, ...]) -> float | tuple[float, ...]:
+    if isinstance(x, tuple):
+        return tuple(a + b for a, b in zip(x, y, strict=True))   # type: ignore[arg-type]
+    return x + y                                                  # type: ignore[operator]
+
+
 class ProposerChoice:
     def __init__(self) -> None:
         self._verify_base = _Decayed(PRIOR_VERIFY_S, 1.0)
@@ -61,6 +104,7 @@ class ProposerChoice:
         self._calibration = {p: _Calibration() for p in (LOCAL, GLOBAL)}
         self.model = DraftLengthController(max_k=MAX_MODEL_K, initial_k=0)
         self._unchosen: dict[str, int] = {}
+        self._rounds = 0.0                          # decayed number of verified rounds observed
 
     # ------------------------------------------------------------------ estimates
     def verify_s(self, num_tokens: int) -> float:
@@ -113,6 +157,7 @@ class ProposerChoice:
         if token_cost > 0:
             self.verify_slope = token_cost
             self.model.observe_token_cost(token_cost)
+        self._rounds = DECAY * self._rounds + 1.0
         self._verify_base.add(max(0.0, seconds) / (1 + self.verify_slope * num_tokens))
 
     def observe_suffix(self, proposer: str, proposal: Proposal, accepted_nodes: list[int]) -> None:
@@ -124,6 +169,34 @@ class ProposerChoice:
         if num_drafted > 0:
             self.model.observe(min(num_drafted, MAX_MODEL_K), min(num_accepted, num_drafted, MAX_MODEL_K),
                                draft_s, verify_s)
+
+
+    # ------------------------------------------------------------------ memory across requests
+    def memory(self) -> ChoiceMemory:
+        return ChoiceMemory(
+            self._rounds, (self._verify_base.total, self._verify_base.weight), self.verify_slope,
+            tuple((p, c.total, c.weight) for p, c in self._cost.items()),
+            tuple((p, c.pooled.total, c.pooled.weight, tuple(c.accepted), tuple(c.predicted))
+                  for p, c in self._calibration.items()),
+            self.model.memory())
+
+    def remember(self, memory: ChoiceMemory, max_rounds: float) -> None:
+        """Start from what earlier requests learned, worth at most `max_rounds` verified rounds: measured costs
+        instead of "unmeasured = free", calibrations instead of trusting count ratios, the model's acceptance."""
+        if memory.rounds <= 0:
+            return
+        m = memory.scaled(min(1.0, max_rounds / memory.rounds))
+        self._rounds = m.rounds
+        self._verify_base = _Decayed(*m.verify_base)
+        self.verify_slope = m.verify_slope
+        self._cost = {p: _Decayed(t, w) for p, t, w in m.costs}
+        for p, total, weight, accepted, predicted in m.calibrations:
+            if p in self._calibration:
+                c = self._calibration[p]
+                c.pooled, c.accepted, c.predicted = _Decayed(total, weight), list(accepted), list(predicted)
+        if m.model is not None:
+            self.model.remember(m.model, max_rounds)
+            self.model.k = 0                      # the model's chain length is chosen per round here, not from k
 
 
 def depths(parents: list[int]) -> list[int]:

@@ -1,0 +1,70 @@
+"""What a gateway's finished requests learned about speculation, to start new requests from.
+
+Each request's draft-length controller (gateway/adaptive.py) and proposer choice (gateway/suffix_choice.py) learn
+from nothing: the draft model's cost per token, the verify line, the link's round trip, acceptance per position,
+how far the suffix proposals' count ratios can be trusted. A short request spends a large share of its rounds on
+that (at the request's full k, a CPU round of the real pair costs ~1 s for ~2 tokens), and then ends. Here the
+gateway keeps, per key (the tenant and whether the request samples), the decayed sums of the requests that ended:
+
+    book[key] = keep * book[key] + sums of the request that ended        (keep = 0.5 per finished request)
+
+and a new request starts from them scaled to at most `max_rounds` rounds of evidence, so its own rounds outweigh
+the prior within a few rounds (its content may differ from the last requests'). Costs are the same for every
+request on this deployment; acceptance is only a head start. Nothing here is a tensor or a clock: plain floats,
+one dict, used from the event loop only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypeVar
+
+from gateway.adaptive import ControllerMemory, DraftLengthController
+from gateway.suffix_choice import ChoiceMemory, ProposerChoice
+
+KEEP = 0.5          # weight of the book's evidence per request that ends
+MAX_ROUNDS = 3.0    # a new request starts with at most this many rounds' worth of the book's evidence
+
+
+M = TypeVar("M", ControllerMemory, ChoiceMemory)
+
+
+@dataclass(frozen=True)
+class PriorKey:
+    tenant: str          # "" without tenants
+    sampled: bool        # sampled requests accept fewer drafts than greedy ones
+
+
+class LearnedPriors:
+    def __init__(self, keep: float = KEEP, max_rounds: float = MAX_ROUNDS) -> None:
+        if not 0.0 <= keep < 1.0 or max_rounds <= 0:
+            raise ValueError(f"need 0 <= keep < 1 and max_rounds > 0, got {keep}, {max_rounds}")
+        self.keep, self.max_rounds = keep, max_rounds
+        self._controllers: dict[PriorKey, ControllerMemory] = {}
+        self._choices: dict[PriorKey, ChoiceMemory] = {}
+
+    def start(self, key: PriorKey, controller: DraftLengthController | None, choice: ProposerChoice | None) -> None:
+        """Seeds a new request's learners from the book (nothing yet: they start from their own priors)."""
+        if controller is not None and key in self._controllers:
+            controller.remember(self._controllers[key], self.max_rounds)
+        if choice is not None and key in self._choices:
+            choice.remember(self._choices[key], self.max_rounds)
+
+    def finish(self, key: PriorKey, controller: DraftLengthController | None, choice: ProposerChoice | None) -> None:
+        """Adds what an ended request's learners measured (a request that ran no round adds nothing)."""
+        if controller is not None:
+            self._controllers = _added(self._controllers, key, controller.memory(), self.keep)
+        if choice is not None:
+            self._choices = _added(self._choices, key, choice.memory(), self.keep)
+
+    def rounds(self, key: PriorKey) -> tuple[float, float]:
+        """(controller, choice) rounds of evidence the book holds for `key` (for tests and metrics)."""
+        c, p = self._controllers.get(key), self._choices.get(key)
+        return (c.rounds if c else 0.0, p.rounds if p else 0.0)
+
+
+def _added(book: dict[PriorKey, M], key: PriorKey, memory: M, keep: float) -> dict[PriorKey, M]:
+    if memory.rounds <= 0:
+        return book
+    old = book.get(key)
+    return {**book, key: memory if old is None else old.scaled(keep).plus(memory)}   # type: ignore[arg-type]
