@@ -155,7 +155,7 @@ def select_prompts(args: argparse.Namespace, length: int) -> list[Prompt]:
 async def run_arm(arm: str, addr: str, prompt: Prompt, max_new_tokens: int,
                   args: argparse.Namespace) -> list[RequestResult]:
     """One arm on one prompt; the REPEAT_ARMS ask repeated (FAQ) prompts `repeat` times under one tenant."""
-    k = {"target": 0, "adaptive": args.adaptive_max_k}.get(arm, args.num_draft_tokens)
+    k = 0 if arm == "target" else args.adaptive_max_k if arm.startswith("adaptive") else args.num_draft_tokens
     asks = prompt.repeat if arm in REPEAT_ARMS else 1
     asks = min(asks, args.max_repeats) if args.max_repeats else asks
     tenant = fresh_tenant()

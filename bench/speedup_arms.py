@@ -21,6 +21,8 @@ ARM_ENV: dict[str, dict[str, str]] = {
     "target": {}, "model": {},
     "tiers": {"SPECMESH_GATEWAY_ENABLE_NGRAM": "1", "SPECMESH_GATEWAY_ENABLE_CACHE": "1"},
     "adaptive": {"SPECMESH_GATEWAY_ADAPTIVE_DRAFT_LENGTH": "1"},
+    # the same without the gateway's learned priors: every request learns its costs and acceptance from nothing
+    "adaptive-cold": {"SPECMESH_GATEWAY_ADAPTIVE_DRAFT_LENGTH": "1", "SPECMESH_GATEWAY_LEARNED_PRIORS": "0"},
     "no-prefetch": SEQUENTIAL,
     "head-32k": {},
     # issue 14: sequential speculation, then each new feature alone on top of it, then all three together
@@ -29,6 +31,7 @@ ARM_ENV: dict[str, dict[str, str]] = {
     "tree": {**SEQUENTIAL, **TREE},
     "suffix": {**SEQUENTIAL, **SUFFIX},
     "all": {**SEQUENTIAL, **OVERLAP, **TREE, **SUFFIX},
+    "suffix-cold": {**SEQUENTIAL, **SUFFIX, "SPECMESH_GATEWAY_LEARNED_PRIORS": "0"},
 }
 # Arms with a draft service of their own (same model, other settings), reached through a proxy of their own.
 ARM_DRAFT_ENV: dict[str, dict[str, str]] = {"head-32k": {"SPECMESH_DRAFT_HEAD_VOCAB": "32768"}}
@@ -39,6 +42,7 @@ REPEAT_ARMS = ("tiers", "suffix", "all")
 ARM_FEATURES: dict[str, tuple[str, ...]] = {
     "overlap": ("overlap",), "tree": ("draft_tree_width",), "suffix": ("suffix_drafting",),
     "all": ("overlap", "draft_tree_width", "suffix_drafting"),
+    "adaptive-cold": ("learned_priors",), "suffix-cold": ("suffix_drafting", "learned_priors"),
 }
 STACK_ARMS = tuple(ARM_ENV)
 DEFAULT_ARMS = ("target", "sequential", "overlap", "tree", "suffix", "all")

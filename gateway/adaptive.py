@@ -28,10 +28,12 @@ Time per round:
 
 c = measured draft compute per token (decayed sum of draft seconds / decayed sum of drafted tokens); rtt = draft
 link round trip (paid only when we call the draft service: k = 0 means target-only decoding); verify(k) =
-v0 + v1 * k, a decayed least-squares line through the observed (k, verify_s) points. While only one k has been
-seen the slope is not identifiable; then verify(k) = v0 * (1 + s * k) with the prior relative slope s
-(`verify_rel_slope`: 0.03 for a batch-invariant int8 verifier, ~0.4 for fp32 on these CPUs). Once the verifier
-reports its own measure of one more token's cost (VerifyResponse.token_cost), that is s, always.
+v0 + v1 * x(k), a decayed least-squares line through the observed (x(k), verify_s) points, where x(k) = max(0,
+k + 1 - F) counts the verified tokens beyond the F a forward takes for the cost of one (the verifier's kernel row
+tile, VerifyResponse.free_tokens: 4 for int4 on AVX2, so k <= 3 drafts verify for about the price of none; F = 1
+until reported, then x(k) = k). While only one x has been seen the slope is not identifiable; then verify(k) =
+v0 * (1 + s * x(k)) with the prior relative slope s (`verify_rel_slope`). Once the verifier reports its own measure
+of one more token's cost (VerifyResponse.token_cost), that is s, always (gateway/verify_cost.py).
 
 Choice. k* = argmax_k E(k) / T(k) over [min_k, max_k], capped by load (below).
 
@@ -59,6 +61,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from gateway.verify_cost import VerifyCost, excess_tokens
 from specmesh.decayed_line import DecayedLine
 
 
@@ -105,6 +108,7 @@ class ControllerMemory:
     token_cost: float
     alt_nodes: float
     alt_hits: float
+    free_tokens: int = 1                                 # the verify sums' x = tokens beyond these (verify_cost.py)
 
     @property
     def rounds(self) -> float:
@@ -126,31 +130,34 @@ class ControllerMemory:
             add(self.succ, newer.succ), add(self.fail, newer.fail), self.draft_time + newer.draft_time,
             self.draft_tokens + newer.draft_tokens, add(self.verify, newer.verify),   # type: ignore[arg-type]
             newer.rtt_s if newer.rtt_s is not None else self.rtt_s, newer.token_cost or self.token_cost,
-            self.alt_nodes + newer.alt_nodes, self.alt_hits + newer.alt_hits)
+            self.alt_nodes + newer.alt_nodes, self.alt_hits + newer.alt_hits, newer.free_tokens)
 
 
 class _DecayedLine:
-    """Decayed least-squares fit t = v0 + v1 * k, with a prior relative slope when k has no spread; a relative slope
-    the verifier measured itself (`measured_slope` > 0) is used instead of the fitted one."""
+    """Decayed least-squares fit t = v0 + v1 * x(k) (x: verified tokens beyond the free ones), with a prior relative
+    slope when x has no spread; a relative slope the verifier measured itself (`measured_slope` > 0) is used instead
+    of the fitted one."""
 
     def __init__(self, decay: float, rel_slope: float) -> None:
         self.rel_slope = rel_slope
         self.measured_slope = 0.0
+        self.free_tokens = 1
         self.points = DecayedLine(decay)
 
     def add(self, k: int, t: float) -> None:
-        self.points.add(k, t)
+        self.points.add(excess_tokens(k, self.free_tokens), t)
 
     def __call__(self, k: int) -> float | None:
         moments = self.points.moments()
         if moments is None:
             return None
-        mean_k, mean_t, var_k = moments
-        if self.measured_slope > 0 or var_k < 0.25:   # measured, or (almost) a single k seen: scale the mean
+        x = excess_tokens(k, self.free_tokens)
+        mean_x, mean_t, var_x = moments
+        if self.measured_slope > 0 or var_x < 0.25:   # measured, or (almost) a single x seen: scale the mean
             s = self.measured_slope or self.rel_slope
-            return mean_t * (1 + s * k) / (1 + s * mean_k)
+            return mean_t * (1 + s * x) / (1 + s * mean_x)
         slope = max(0.0, self.points.slope())
-        return max(0.0, mean_t + slope * (k - mean_k))
+        return max(0.0, mean_t + slope * (x - mean_x))
 
 
 class DraftLengthController:
@@ -303,11 +310,13 @@ class DraftLengthController:
         self._alt_nodes = d * self._alt_nodes + num_alternative_nodes
         self._alt_hits = d * self._alt_hits + (1.0 if alternative_hit else 0.0)
 
-    def observe_token_cost(self, token_cost: float) -> None:
-        """The verifier's measured cost of one more verified token relative to a one-token forward (0 = unknown):
-        the verify line's slope from then on (a line fitted to rounds of a few similar k extrapolates badly)."""
-        if token_cost > 0:
-            self._verify.measured_slope = token_cost
+    def observe_verify_cost(self, cost: VerifyCost) -> None:
+        """What the verifier reported: its free tokens (the line's x from then on) and its measured cost of one more
+        verified token (0 = unknown), the line's slope from then on (a line fitted to rounds of a few similar k
+        extrapolates badly). Call it before `observe` of the same round."""
+        self._verify.free_tokens = max(1, cost.free_tokens)
+        if cost.token_cost > 0:
+            self._verify.measured_slope = cost.token_cost
 
     def observe_load(self, queue_len: int, batch_tokens: int) -> None:
         """The verifier's waiting requests and tokens in its current batch (smoothed)."""
@@ -321,7 +330,7 @@ class DraftLengthController:
         line = self._verify.points
         return ControllerMemory(tuple(self._succ), tuple(self._fail), self._draft_time, self._draft_tokens,
                                 (line.w, line.sx, line.sxx, line.st, line.sxt), self._rtt,
-                                self._verify.measured_slope, self._alt_nodes, self._alt_hits)
+                                self._verify.measured_slope, self._alt_nodes, self._alt_hits, self._verify.free_tokens)
 
     def remember(self, memory: ControllerMemory, max_rounds: float) -> None:
         """Start from what earlier requests learned, worth at most `max_rounds` rounds of evidence (a new request's
@@ -337,6 +346,7 @@ class DraftLengthController:
         line = self._verify.points
         line.w, line.sx, line.sxx, line.st, line.sxt = m.verify
         self._verify.measured_slope = m.token_cost
+        self._verify.free_tokens = m.free_tokens
         self._rtt = m.rtt_s
         self._alt_nodes, self._alt_hits = m.alt_nodes, m.alt_hits
         self.k = min(max(self.best_k(), self.min_k, 1 if self.max_k > 0 else 0), self.max_k)

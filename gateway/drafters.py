@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from gateway.round_outcomes import RoundOutcomes
 from gateway.draft_link import BACKOFF_ROUNDS, DraftLink, LinkCall, OnError
 from gateway.draft_tree import build_tree, main_chain_len
+from gateway.verify_cost import UNKNOWN_COST, VerifyCost
 from protos.specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specmesh.proto_convert import sampling_to_proto
 from specmesh.rejection import SparseDist
@@ -48,11 +49,12 @@ class Proposer(Protocol):
     """One source of drafts behind one `propose()`: the draft cache, n-gram lookup, the suffix tree (gateway/tiers.py,
     gateway/suffix_*.py) and the draft model (`ModelDrafter`). A proposer may return NO_DRAFT; whatever it returns
     is verified, so no proposer can change output. `observe` is the round's outcome (see RequestState.on_round) and
-    the verifier's measured cost of one more verified token, relative to a one-token forward (0 = not reported)."""
+    what the verifier reported about its forward's cost (gateway/verify_cost.py)."""
 
     async def propose(self, context_ids: list[int], num_tokens: int) -> Draft: ...
 
-    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int], token_cost: float = 0.0) -> None: ...
+    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int],
+                cost: VerifyCost = UNKNOWN_COST) -> None: ...
 
 
 class Drafter(Proposer, Protocol):
@@ -231,7 +233,8 @@ class ModelDrafter:
         self.bytes_received += response.ByteSize()
         return response
 
-    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int], token_cost: float = 0.0) -> None:
+    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int],
+                cost: VerifyCost = UNKNOWN_COST) -> None:
         pass                                      # the next Propose carries the verified tokens
 
     async def close(self) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.drafters import Draft
+from gateway.verify_cost import UNKNOWN_COST, VerifyCost
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class RoundEvent:
     num_waiting: int             # the verifier's load when it answered
     num_batch_tokens: int
     accepted_node_indices: list[int] = field(default_factory=list)   # a tree's accepted path (empty: a chain)
-    token_cost: float = 0.0      # the verifier's measured cost of one more verified token (0 = unknown)
+    cost: VerifyCost = UNKNOWN_COST   # what the verifier reported about its forward's cost
 
 
 RoundListener = Callable[[RoundEvent, "RequestState"], None]

@@ -23,6 +23,7 @@ from gateway.request_state import RequestState, RoundEvent
 from gateway.round_outcomes import classify
 from gateway.round_spans import end_session_span, prefill_span, record_round, round_span
 from gateway.validation import GenerationParams
+from gateway.verify_cost import VerifyCost
 from protos.specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specmesh.proto_convert import sampling_to_proto, sparse_dists_to_proto
 
@@ -59,9 +60,9 @@ class _NextDraft:
 
 
 def _observe_round(draft_length: DraftLengthController, event: RoundEvent, state: RequestState) -> None:
+    draft_length.observe_verify_cost(event.cost)      # first: the round's verify time is priced with it
     draft_length.observe(len(event.draft.token_ids), event.num_accepted, event.draft_s, event.verify_s)
     draft_length.observe_load(event.num_waiting, event.num_batch_tokens)
-    draft_length.observe_token_cost(event.token_cost)
     if event.draft.parents is not None:
         alternatives = len(event.draft.token_ids) - main_chain_len(event.draft.parents, len(event.draft.token_ids))
         draft_length.observe_tree(alternatives, classify(event.draft, event.num_accepted,
@@ -95,7 +96,7 @@ class Generation:
             self.state.listeners.append(functools.partial(_observe_round, draft_length))
         if drafter is not None:
             self.state.listeners.append(lambda event, state: drafter.observe(event.draft, event.num_accepted,
-                                                                              state.output_ids, event.token_cost))
+                                                                              state.output_ids, event.cost))
 
     @property
     def output_ids(self) -> list[int]:
@@ -134,7 +135,8 @@ class Generation:
             record_round(span, draft, result.num_accepted)
         return RoundEvent(round_index, draft, result.num_accepted, list(result.token_ids), drafted - started,
                           time.perf_counter() - drafted, result.num_waiting, result.num_batch_tokens,
-                          list(result.accepted_node_indices), result.token_cost)
+                          list(result.accepted_node_indices),
+                          VerifyCost(result.token_cost, max(1, result.free_tokens)))
 
     def _wanted_k(self) -> int:
         return self.draft_length.next_k() if self.draft_length else self.params.num_draft_tokens

@@ -4,9 +4,10 @@ Per request, on plain floats (no clock: the caller passes measured seconds). For
 
     rate = (1 + expected accepted draft tokens) / (verify(n) + cost)
 
-where the 1 is the token every verify emits, n is the draft's size, verify(n) = base * (1 + s * n) with `base` a
-decayed average of the measured verify times (normalized by the same factor) and s the verifier's own measure of
-one more token's cost (VerifyResponse.token_cost; `VERIFY_SLOPE` until it reports one), and cost the proposer's own
+where the 1 is the token every verify emits, n is the draft's size, verify(n) = base * (1 + s * x(n)) with `base` a
+decayed average of the measured verify times (normalized by the same factor), x(n) = max(0, n + 1 - F) the verified
+tokens beyond the F free ones and s the verifier's own measure of one more token's cost (VerifyResponse.token_cost and
+.free_tokens, gateway/verify_cost.py; `VERIFY_SLOPE` and F = 1 until it reports them), and cost the proposer's own
 decayed average time per round (a local suffix lookup ~0, the shared store one Redis round trip, the draft model
 its compute plus the link's round trip; a prefetched model block costs what waiting for it cost).
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 from gateway.adaptive import ControllerMemory, DraftLengthController, expected_tokens
 from gateway.suffix_tree import Proposal
+from gateway.verify_cost import UNKNOWN_COST, VerifyCost, excess_tokens
 
 LOCAL, GLOBAL, MODEL, NONE = "local", "global", "model", "none"
 DECAY = 0.85                 # weight an old observation keeps per new one
@@ -64,6 +66,7 @@ class ChoiceMemory:
     costs: tuple[tuple[str, float, float], ...]
     calibrations: tuple[tuple[str, float, float, tuple[float, ...], tuple[float, ...]], ...]
     model: ControllerMemory | None = field(default=None)
+    free_tokens: int = 1
 
     def scaled(self, factor: float) -> ChoiceMemory:
         return ChoiceMemory(
@@ -71,7 +74,7 @@ class ChoiceMemory:
             tuple((p, factor * t, factor * w) for p, t, w in self.costs),
             tuple((p, factor * t, factor * w, tuple(factor * a for a in acc), tuple(factor * x for x in pred))
                   for p, t, w, acc, pred in self.calibrations),
-            self.model.scaled(factor) if self.model else None)
+            self.model.scaled(factor) if self.model else None, self.free_tokens)
 
     def plus(self, newer: ChoiceMemory) -> ChoiceMemory:
         def merge(a: dict[str, tuple], b: dict[str, tuple]) -> dict[str, tuple]:
@@ -87,7 +90,7 @@ class ChoiceMemory:
         return ChoiceMemory(self.rounds + newer.rounds,
                             (self.verify_base[0] + newer.verify_base[0], self.verify_base[1] + newer.verify_base[1]),
                             newer.verify_slope, tuple((p, *v) for p, v in costs.items()),
-                            tuple((p, *v) for p, v in cals.items()), model)
+                            tuple((p, *v) for p, v in cals.items()), model, newer.free_tokens)
 
 
 def _add(x: float | tuple[float, ...], y: float | tuple[float, ...]) -> float | tuple[float, ...]:
@@ -100,6 +103,7 @@ class ProposerChoice:
     def __init__(self) -> None:
         self._verify_base = _Decayed(PRIOR_VERIFY_S, 1.0)
         self.verify_slope = VERIFY_SLOPE
+        self.free_tokens = 1                        # verified tokens that cost about what one does
         self._cost: dict[str, _Decayed] = {}
         self._calibration = {p: _Calibration() for p in (LOCAL, GLOBAL)}
         self.model = DraftLengthController(max_k=MAX_MODEL_K, initial_k=0)
@@ -108,7 +112,7 @@ class ProposerChoice:
 
     # ------------------------------------------------------------------ estimates
     def verify_s(self, num_tokens: int) -> float:
-        return self._verify_base.mean * (1 + self.verify_slope * num_tokens)
+        return self._verify_base.mean * (1 + self.verify_slope * excess_tokens(num_tokens, self.free_tokens))
 
     def cost_s(self, proposer: str, num_tokens: int) -> float:
         """Unmeasured = free: a proposer is tried before its cost is known (optimism under uncertainty)."""
@@ -151,14 +155,16 @@ class ProposerChoice:
     def observe_cost(self, proposer: str, seconds: float) -> None:
         self._cost.setdefault(proposer, _Decayed(0.0, 0.0)).add(max(0.0, seconds))
 
-    def observe_verify(self, num_tokens: int, seconds: float, token_cost: float = 0.0) -> None:
-        """A verify of `num_tokens` drafts took `seconds`; token_cost: the verifier's measure of one more token
-        relative to a one-token forward (0 = not reported: keep the last one)."""
-        if token_cost > 0:
-            self.verify_slope = token_cost
-            self.model.observe_token_cost(token_cost)
+    def observe_verify(self, num_tokens: int, seconds: float, cost: VerifyCost = UNKNOWN_COST) -> None:
+        """A verify of `num_tokens` drafts took `seconds`; cost: what the verifier reported about its forward's cost
+        (a token_cost of 0 = not reported: keep the last one)."""
+        self.free_tokens = max(1, cost.free_tokens)
+        if cost.token_cost > 0:
+            self.verify_slope = cost.token_cost
+        self.model.observe_verify_cost(VerifyCost(cost.token_cost, self.free_tokens))
         self._rounds = DECAY * self._rounds + 1.0
-        self._verify_base.add(max(0.0, seconds) / (1 + self.verify_slope * num_tokens))
+        excess = excess_tokens(num_tokens, self.free_tokens)
+        self._verify_base.add(max(0.0, seconds) / (1 + self.verify_slope * excess))
 
     def observe_suffix(self, proposer: str, proposal: Proposal, accepted_nodes: list[int]) -> None:
         """A verified suffix proposal and the indices of its nodes on the accepted path."""
@@ -178,7 +184,7 @@ class ProposerChoice:
             tuple((p, c.total, c.weight) for p, c in self._cost.items()),
             tuple((p, c.pooled.total, c.pooled.weight, tuple(c.accepted), tuple(c.predicted))
                   for p, c in self._calibration.items()),
-            self.model.memory())
+            self.model.memory(), self.free_tokens)
 
     def remember(self, memory: ChoiceMemory, max_rounds: float) -> None:
         """Start from what earlier requests learned, worth at most `max_rounds` verified rounds: measured costs
@@ -189,6 +195,7 @@ class ProposerChoice:
         self._rounds = m.rounds
         self._verify_base = _Decayed(*m.verify_base)
         self.verify_slope = m.verify_slope
+        self.free_tokens = m.free_tokens
         self._cost = {p: _Decayed(t, w) for p, t, w in m.costs}
         for p, total, weight, accepted, predicted in m.calibrations:
             if p in self._calibration:

@@ -25,6 +25,7 @@ from gateway.suffix_choice import GLOBAL, LOCAL, MODEL, ProposerChoice
 from gateway.suffix_index import ContextIndex
 from gateway.suffix_tree import EMPTY, Proposal, accepted_nodes, speculate, trie_from_continuations
 from gateway.tiers import TieredDrafter
+from gateway.verify_cost import UNKNOWN_COST, VerifyCost
 from kvstore.base import MAX_CONTINUATION_TOKENS
 from protos.specmesh.v1 import common_pb2
 from specmesh.rejection import SparseDist
@@ -135,22 +136,23 @@ class SuffixDrafter(TieredDrafter):
         self.choice.observe_cost(GLOBAL, time.perf_counter() - started)
         return best
 
-    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int], token_cost: float = 0.0) -> None:
+    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int],
+                cost: VerifyCost = UNKNOWN_COST) -> None:
         counters = self.tiers.stats.tier(draft.source)
         if counters is not None:
             counters.drafted += len(draft.token_ids)
             counters.accepted += num_accepted
         if self._round is not None and self._round.draft is draft:
-            self._learn(self._round, num_accepted, output_ids, token_cost)
+            self._learn(self._round, num_accepted, output_ids, cost)
         self._round = None
         self.output_ids = output_ids
         self._record(len(output_ids) - MAX_CONTINUATION_TOKENS)
 
-    def _learn(self, done: _Round, num_accepted: int, output_ids: list[int], token_cost: float) -> None:
+    def _learn(self, done: _Round, num_accepted: int, output_ids: list[int], cost: VerifyCost) -> None:
         """Feeds the round's measurements to the choice: verify time and the verifier's cost of one more token, and
         acceptance of what each part drafted."""
         verify_s = time.perf_counter() - done.sent_at
-        self.choice.observe_verify(len(done.draft.token_ids), verify_s, token_cost)
+        self.choice.observe_verify(len(done.draft.token_ids), verify_s, cost)
         # (a verifier that decoded ahead may send more than one target token after the accepted drafts)
         accepted_ids = output_ids[done.num_output:done.num_output + num_accepted]
         if done.proposer == MODEL:

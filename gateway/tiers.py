@@ -17,6 +17,7 @@ from gateway.ngram import propose_ngram
 from gateway.round_spans import cache_lookup_span
 from gateway.tier_stats import DraftingStats
 from gateway.validation import GenerationParams
+from gateway.verify_cost import UNKNOWN_COST, VerifyCost
 from kvstore import CacheSettings, open_cache
 from kvstore.base import MAX_CONTINUATION_TOKENS, DraftCache
 from kvstore.factory import parse_lens
@@ -180,7 +181,8 @@ class TieredDrafter:
         stats.draft_bytes_received += self.model.bytes_received - self._bytes_counted[1]
         self._bytes_counted = (self.model.bytes_sent, self.model.bytes_received)
 
-    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int], token_cost: float = 0.0) -> None:
+    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int],
+                cost: VerifyCost = UNKNOWN_COST) -> None:
         counters = self.tiers.stats.tier(draft.source)
         if counters is not None:
             counters.drafted += len(draft.token_ids)

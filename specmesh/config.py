@@ -93,7 +93,7 @@ class GatewayConfig:
     tokenizer: str = ""                    # model reference for the tokenizer; "" = the verifier's model
     num_draft_tokens: int = 4              # default draft length per round
     adaptive_draft_length: bool = True     # pick k per round from acceptance and measured costs (<= the request's)
-    learned_priors: bool = True            # new requests start from what ended ones measured (gateway/learned_priors.py)
+    learned_priors: bool = True            # new requests start from what ended ones measured (learned_priors.py)
     draft_prefetch: bool = True            # ask for the next block while the verifier works (hides the draft RTT)
     max_draft_tokens: int = 16             # largest per-request draft length accepted
     default_max_new_tokens: int = 256

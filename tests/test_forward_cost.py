@@ -11,7 +11,9 @@ import pytest
 
 from gateway.adaptive import DraftLengthController
 from gateway.suffix_choice import LOCAL, NONE, ProposerChoice
+from gateway.verify_cost import VerifyCost
 from protos.specmesh.v1 import verifier_pb2, verifier_pb2_grpc
+from specmesh.engine import int4_kernel
 from tests.stack import start_verifier
 from verifier_service.forward_cost import MAX_TOKENS, ForwardCost
 
@@ -42,6 +44,42 @@ def test_unknown_until_the_forwards_differ_in_size_and_kept_per_thread_count() -
     assert cost.token_cost(2) == pytest.approx(0.3, rel=0.05)
 
 
+@pytest.mark.parametrize("free_tokens", [4, 8])
+def test_tokens_up_to_the_kernel_row_tile_are_free(free_tokens: int) -> None:
+    """The int4 kernel streams each weight block once per row tile: t(n) = t1 * (1 + c * max(0, n - F))."""
+    cost = ForwardCost(free_tokens)
+    for i in range(60):
+        n = 1 + i % 12
+        cost.observe(n, 1, 0.1 * (1 + 0.2 * max(0, n - free_tokens)))
+    assert cost.token_cost(1) == pytest.approx(0.2, rel=1e-6)
+
+
+def test_the_draft_length_fills_the_free_tokens() -> None:
+    """1.5B int4 on AVX2: a verify of up to 4 tokens costs what one does, each beyond ~0.4 more. With acceptance 0.7
+    and cheap drafts that makes k = 3 (4 tokens) best; priced per token from the first (F = 1) it would be k = 1."""
+    ks = {}
+    for free in (1, 4):
+        ctrl = DraftLengthController(min_k=0, max_k=8, initial_k=4)
+        for i in range(80):
+            k = ctrl.next_k()
+            ctrl.observe_verify_cost(VerifyCost(0.4, free))
+            accepted = next((j for j in range(k) if (i * 7 + j * 3) % 10 >= 7), k)      # ~0.7 per position
+            ctrl.observe(k, accepted, draft_s=0.01 * k, verify_s=0.1 * (1 + 0.4 * max(0, k + 1 - free)))
+        ks[free] = ctrl.k
+    assert ks == {1: 1, 4: 3}
+
+
+def test_the_choice_prices_drafts_within_the_free_tokens_at_a_one_token_verify() -> None:
+    choice = ProposerChoice()
+    for _ in range(30):
+        choice.observe_verify(3, 0.1, VerifyCost(0.4, 4))
+    assert choice.verify_s(0) == pytest.approx(0.1, rel=0.01) and choice.verify_s(3) == choice.verify_s(0)
+    assert choice.verify_s(4) == pytest.approx(0.14, rel=0.01)
+    choice.observe_cost(LOCAL, 0.0001)
+    assert choice.choose({LOCAL: (0.5, 3)}) == LOCAL     # half a token expected, for free
+    assert choice.choose({LOCAL: (0.5, 5)}) == NONE      # ... not worth 0.8 of a forward
+
+
 def test_prefills_do_not_tilt_the_line() -> None:
     cost = ForwardCost()
     feed(cost, 0.1, 0.05)
@@ -57,7 +95,7 @@ def test_the_choice_takes_target_only_over_a_half_right_suffix_draft_on_an_expen
     for choice, token_cost in ((cheap, 0.05), (dear, 0.6)):
         for _ in range(30):
             choice.observe_cost(LOCAL, 0.0001)
-            choice.observe_verify(3, 0.1 * (1 + token_cost * 3), token_cost)
+            choice.observe_verify(3, 0.1 * (1 + token_cost * 3), VerifyCost(token_cost))
         assert choice.verify_slope == token_cost
         assert choice.verify_s(3) == pytest.approx(0.1 * (1 + token_cost * 3), rel=0.01)   # the prior faded
     assert cheap.choose(dict(options)) == LOCAL
@@ -71,7 +109,7 @@ def test_the_draft_length_follows_the_verifiers_token_cost() -> None:
     for token_cost in (0.02, 0.5):
         ctrl = DraftLengthController(min_k=1, max_k=8, initial_k=4)
         for i in range(60):
-            ctrl.observe_token_cost(token_cost)
+            ctrl.observe_verify_cost(VerifyCost(token_cost))
             accepted = 4 if i % 5 < 2 else i % 3      # ~0.6 per position
             ctrl.observe(4, accepted, draft_s=0.004, verify_s=0.1 * (1 + token_cost * 4))
             ctrl.next_k()
@@ -104,5 +142,20 @@ async def test_a_verifier_reports_its_token_cost_once_its_forwards_differ_in_siz
                     session_id="c", owner_token=start.owner_token, draft_token_ids=drafts)))
             assert 0.5 < replies[-1].token_cost <= 1.0                     # t(n) ~ 20 ms * n + the model's
             assert replies[-1].token_cost == pytest.approx(verifier.engine.forward_cost.token_cost(1))
+    finally:
+        await verifier.stop()
+
+
+@pytest.mark.parametrize(("dtype", "free"), [("int4", int4_kernel.row_tile()), ("int8", 1)])
+async def test_a_verifier_reports_its_free_tokens(dtype: str, free: int) -> None:
+    verifier = await start_verifier(dtype=dtype, decode_ahead_tokens=0)
+    try:
+        async with grpc.aio.insecure_channel(verifier.addr) as channel:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            start = await stub.StartSession(verifier_pb2.StartSessionRequest(
+                session_id="f", prompt_token_ids=list(range(5, 30)), max_new_tokens=20))
+            reply = await stub.Verify(verifier_pb2.VerifyRequest(session_id="f", owner_token=start.owner_token,
+                                                                 draft_token_ids=[7, 8]))
+        assert reply.free_tokens == free
     finally:
         await verifier.stop()

@@ -13,6 +13,7 @@ from gateway.adaptive import DraftLengthController
 from gateway.learned_priors import LearnedPriors, PriorKey
 from gateway.suffix_choice import LOCAL, MODEL, ProposerChoice
 from gateway.suffix_tree import Proposal
+from gateway.verify_cost import VerifyCost
 from protos.specmesh.v1 import generate_pb2_grpc
 from specmesh import client
 from specmesh.models import resolve_model_dir
@@ -91,7 +92,7 @@ def test_a_request_without_rounds_adds_nothing() -> None:
 def test_memory_round_trip_keeps_the_estimates() -> None:
     ctrl = DraftLengthController(max_k=8, initial_k=4)
     run_rounds(ctrl, 20, 0.7, rtt=0.01, seed=3)
-    ctrl.observe_token_cost(0.4)
+    ctrl.observe_verify_cost(VerifyCost(0.4))
     copy = DraftLengthController(max_k=8, initial_k=4)
     copy.remember(ctrl.memory(), max_rounds=1e9)
     assert copy.acceptance() == pytest.approx(ctrl.acceptance())
@@ -116,7 +117,7 @@ def test_a_choice_starts_knowing_costs_and_how_far_suffix_counts_can_be_trusted(
     for _ in range(20):
         choice.observe_cost(MODEL, 0.3)
         choice.observe_cost(LOCAL, 0.001)
-        choice.observe_verify(4, 0.3, token_cost=0.4)
+        choice.observe_verify(4, 0.3, VerifyCost(0.4))
         choice.observe_suffix(LOCAL, proposal, [])            # the suffix drafts were never accepted
     priors = LearnedPriors()
     priors.finish(GREEDY, None, choice)

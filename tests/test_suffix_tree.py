@@ -18,6 +18,7 @@ from gateway.suffix_drafter import with_branches
 from gateway.suffix_index import ContextIndex
 from gateway.suffix_tree import CountNode, accepted_nodes, merge_tries, speculate, trie_from_continuations
 from gateway.tiers import DraftTiers, TierSettings
+from gateway.verify_cost import VerifyCost
 from protos.specmesh.v1 import common_pb2
 from specmesh.rejection import SparseDist
 
@@ -249,11 +250,11 @@ async def test_the_choice_learns_the_models_chain_and_its_tree_alternatives_apar
         draft = await drafter.propose([1, 2, 3, *output], 4)
         assert draft.parents == [-1, 0, 1, 0]
         output += [7, 8, 9, 100 + i]                                   # the chain, then the target's own token
-        drafter.observe(draft, 3, list(output), token_cost=0.4)
+        drafter.observe(draft, 3, list(output), cost=VerifyCost(0.4))
     assert drafter.choice.model.acceptance() > 0.9
     missed = drafter.choice.model.alternative_hit_rate()
     assert missed < 0.15                                               # the alternative never hit (prior: 0.2)
     draft = await drafter.propose([1, 2, 3, *output], 4)
     output += [7, 5, 200]                                              # now it did: 7, then the alternative 5
-    drafter.observe(draft, 2, list(output), token_cost=0.4)
+    drafter.observe(draft, 2, list(output), cost=VerifyCost(0.4))
     assert drafter.choice.model.alternative_hit_rate() > missed

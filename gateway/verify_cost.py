@@ -1,0 +1,31 @@
+"""What the verifier reports about its forward's cost, as the gateway prices drafts with it.
+
+A verify of k drafts is a forward of k + 1 tokens (the drafts and the pending token). The verifier measures
+(VerifyResponse.token_cost, .free_tokens):
+
+    verify(k) = verify(0) * (1 + token_cost * excess(k)),    excess(k) = max(0, k + 1 - free_tokens)
+
+free_tokens is its kernel's row tile (a forward of up to that many tokens costs about what one does: 4 for the int4
+kernel on AVX2, 8 on AVX-512 VNNI); token_cost what each token beyond them adds, relative to verify(0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class VerifyCost:
+    token_cost: float = 0.0      # one more token beyond the free ones, relative to a one-token verify (0 = unknown)
+    free_tokens: int = 1         # tokens a forward takes for about the cost of one (0 on the wire = 1)
+
+    def excess(self, num_drafts: int) -> int:
+        """Tokens of a verify of `num_drafts` drafts that cost extra."""
+        return excess_tokens(num_drafts, self.free_tokens)
+
+
+def excess_tokens(num_drafts: int, free_tokens: int) -> int:
+    return max(0, num_drafts + 1 - max(1, free_tokens))
+
+
+UNKNOWN_COST = VerifyCost()
