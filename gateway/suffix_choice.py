@@ -127,6 +127,18 @@ class ProposerChoice:
         calibration = self._calibration[proposer]
         return sum(calibration.at(d) * p for d, p in zip(depths(proposal.parents), proposal.probs, strict=True))
 
+    def trimmed(self, proposer: str, proposal: Proposal) -> Proposal:
+        """The proposal's prefix with the most expected tokens per second (its nodes come most likely first, so a
+        long tail of unlikely nodes can cost more verify time than it brings, except within the free tokens)."""
+        calibration = self._calibration[proposer]
+        best_n, best_rate, expected = 0, 0.0, 0.0
+        for n, (d, p) in enumerate(zip(depths(proposal.parents), proposal.probs, strict=True), start=1):
+            expected += calibration.at(d) * p
+            rate = self.rate(proposer, expected, n)
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        return proposal if best_n == len(proposal.token_ids) else proposal.prefix(best_n)
+
     def round_s(self, proposer: str, num_tokens: int) -> float:
         """Expected seconds of a round drafted by `proposer` (`num_tokens` drafts): its cost plus the verify."""
         return self.verify_s(num_tokens) + self.cost_s(proposer, num_tokens)

@@ -69,6 +69,7 @@ class SuffixDrafter(TieredDrafter):
         room = max(self.max_new_tokens - (len(context_ids) - len(self.prompt_ids)) - 1, 0)
         cap = min(room, self.settings.local_max_tokens)
         proposals = {LOCAL: self._local(context_ids, cap), GLOBAL: await self._shared(context_ids, cap)}
+        proposals = {p: self.choice.trimmed(p, prop) for p, prop in proposals.items()}
         options = {p: (self.choice.expected_suffix(p, prop), len(prop.token_ids))
                    for p, prop in proposals.items() if prop.token_ids}
         if self.model is not None and num_tokens > 0 and self._model_round_allowed():

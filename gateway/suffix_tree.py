@@ -40,6 +40,10 @@ class Proposal:
         """Expected accepted draft tokens."""
         return sum(self.probs)
 
+    def prefix(self, num_nodes: int) -> Proposal:
+        """The first `num_nodes` nodes: still a tree (best-first growth puts every parent before its children)."""
+        return Proposal(self.token_ids[:num_nodes], self.parents[:num_nodes], self.probs[:num_nodes], self.match_len)
+
     @property
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))

@@ -11,6 +11,7 @@ import pytest
 
 from gateway.adaptive import DraftLengthController
 from gateway.suffix_choice import LOCAL, NONE, ProposerChoice
+from gateway.suffix_tree import Proposal
 from gateway.verify_cost import VerifyCost
 from protos.specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 from specmesh.engine import int4_kernel
@@ -78,6 +79,17 @@ def test_the_choice_prices_drafts_within_the_free_tokens_at_a_one_token_verify()
     choice.observe_cost(LOCAL, 0.0001)
     assert choice.choose({LOCAL: (0.5, 3)}) == LOCAL     # half a token expected, for free
     assert choice.choose({LOCAL: (0.5, 5)}) == NONE      # ... not worth 0.8 of a forward
+
+
+def test_a_suffix_proposal_is_cut_where_its_unlikely_tail_costs_more_than_it_brings() -> None:
+    proposal = Proposal(list(range(10, 20)), list(range(-1, 9)), [0.9, 0.85, 0.8, 0.3, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1])
+    dear, cheap = ProposerChoice(), ProposerChoice()
+    for choice, cost in ((dear, VerifyCost(0.4, 4)), (cheap, VerifyCost(0.01, 4))):
+        for _ in range(30):
+            choice.observe_verify(3, 0.1, cost)
+            choice.observe_cost(LOCAL, 0.0001)
+    assert dear.trimmed(LOCAL, proposal) == proposal.prefix(3)          # the free tokens, no more
+    assert cheap.trimmed(LOCAL, proposal) == proposal                   # cheap tokens: the whole chain pays
 
 
 def test_prefills_do_not_tilt_the_line() -> None:
