@@ -63,6 +63,7 @@ from bench.hf_peer import HF_MODES, hf_phase, hf_summaries
 from bench.speedup_arms import (
     ARM_DRAFT_ENV,
     ARM_ENV,
+    ARM_K,
     BASE_ENV,
     DEFAULT_ARMS,
     LAYOUTS,
@@ -79,6 +80,7 @@ from bench.speedup_goals import all_goals, format_goal
 from bench.speedup_plot import plot, print_report
 from bench.speedup_stats import analytic_speedup, prompt_id, summarize_arm
 from bench.wan_proxy import WanProxy
+from gateway.verify_cost import VerifyCost
 from specmesh.launcher import PRESETS, Stack, StackConfig
 
 Results = dict[str, list[RequestResult]]   # per arm ("model@rtt40" etc. for the sweep)
@@ -119,6 +121,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--llamacpp-draft-max", type=int, default=0, help="--spec-draft-n-max (0 = llama.cpp default)")
     p.add_argument("--verify-token-cost", type=float, default=0.1,
                    help="verify cost of one extra token in target steps, for the goal breakdown (~15/150 ms on CPU)")
+    p.add_argument("--verify-free-tokens", type=int, default=1,
+                   help="verified tokens that cost about one (the int4 kernel's row tile: 4 on AVX2, 8 on VNNI)")
     p.add_argument("--streams-json", default="",
                    help="a bench.concurrency result: its 8-stream / 1-stream speculative ratio joins the goals")
     p.add_argument("--name", default="", help="result file prefix (default speedup-<preset>)")
@@ -155,7 +159,8 @@ def select_prompts(args: argparse.Namespace, length: int) -> list[Prompt]:
 async def run_arm(arm: str, addr: str, prompt: Prompt, max_new_tokens: int,
                   args: argparse.Namespace) -> list[RequestResult]:
     """One arm on one prompt; the REPEAT_ARMS ask repeated (FAQ) prompts `repeat` times under one tenant."""
-    k = 0 if arm == "target" else args.adaptive_max_k if arm.startswith("adaptive") else args.num_draft_tokens
+    k = 0 if arm == "target" else ARM_K.get(arm) or (args.adaptive_max_k if arm.startswith("adaptive")
+                                                     else args.num_draft_tokens)
     asks = prompt.repeat if arm in REPEAT_ARMS else 1
     asks = min(asks, args.max_repeats) if args.max_repeats else asks
     tenant = fresh_tenant()
@@ -379,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "problems": problems,
               "requests": {key: {arm: [r.to_json() for r in rs] for arm, rs in results.items()}
                            for key, results in runs.items()}, "hf_runs": hf_runs}
-    report["goals"] = all_goals(report, args.verify_token_cost)
+    report["goals"] = all_goals(report, VerifyCost(args.verify_token_cost, args.verify_free_tokens))
     print_report(report)
     print("\ngoals (issue 14):")
     for goal in report["goals"]:

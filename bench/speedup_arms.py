@@ -32,7 +32,11 @@ ARM_ENV: dict[str, dict[str, str]] = {
     "suffix": {**SEQUENTIAL, **SUFFIX},
     "all": {**SEQUENTIAL, **OVERLAP, **TREE, **SUFFIX},
     "suffix-cold": {**SEQUENTIAL, **SUFFIX, "SPECMESH_GATEWAY_LEARNED_PRIORS": "0"},
+    # sequential at k = 4 whatever --num-draft-tokens is: 5 verified tokens, one past the int4 AVX2 kernel's row tile
+    "sequential-k4": SEQUENTIAL,
 }
+# Arms whose requests ask for their own draft length (else --num-draft-tokens; adaptive arms: --adaptive-max-k).
+ARM_K: dict[str, int] = {"sequential-k4": 4}
 # Arms with a draft service of their own (same model, other settings), reached through a proxy of their own.
 ARM_DRAFT_ENV: dict[str, dict[str, str]] = {"head-32k": {"SPECMESH_DRAFT_HEAD_VOCAB": "32768"}}
 # Arms whose asks of a repeated (FAQ) prompt go `repeat` times under one tenant (their drafters learn across asks).

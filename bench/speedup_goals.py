@@ -4,7 +4,8 @@ The round model (in target decode steps of the run's own target-only arm): a rou
 target token) and costs R = E / S steps, S the measured decode speedup. R splits into
     1 (one target step)  +  D = m c (drafting m model tokens at c target steps each, c from the in-process runs;
     m = the draft model's share of the g drafted tokens per round: cache / n-gram / suffix drafts cost no steps)
-    +  V = g v (verifying g extra tokens at v steps each, --verify-token-cost)  +  O (the rest: overhead).
+    +  V = max(0, g + 1 - F) v (verifying the tokens beyond the verifier's F free ones at v steps each,
+    --verify-token-cost and --verify-free-tokens; gateway/verify_cost.py)  +  O (the rest: overhead).
 Removing one term at a time says which one holds the speedup back most: acceptance (E -> g+1), draft cost (D -> 0),
 verify cost (V -> 0) or overhead (O -> 0). Pure: testable on plain dicts (bench/test_bench.py).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.speedup_arms import parse_run_key, run_key
+from gateway.verify_cost import VerifyCost
 
 GOAL_A = {"overall": 1.6, "code": 2.0, "code-edit": 2.0, "chat": 1.3}
 GOAL_B_OVER_2CORE = 1.3
@@ -21,14 +23,15 @@ GOAL_STREAMS = 4.0
 
 
 def round_terms(speedup: float, tokens_per_round: float, drafted_per_round: float, c: float,
-                verify_token_cost: float, model_drafted_per_round: float | None = None) -> dict[str, float]:
+                verify_token_cost: float, model_drafted_per_round: float | None = None,
+                free_tokens: int = 1) -> dict[str, float]:
     """Per-round cost terms (target steps) and the speedup with each term made ideal."""
     e, g = tokens_per_round, drafted_per_round
     m = g if model_drafted_per_round is None else model_drafted_per_round
     if speedup <= 0 or e <= 0:
         return {}
     r = e / speedup
-    d, v = m * c, g * verify_token_cost
+    d, v = m * c, max(0.0, g + 1 - free_tokens) * verify_token_cost
     o = r - 1.0 - d - v
     hidden = max(0.0, -o)              # R below 1 + D + V: that much drafting ran alongside verification
     ideal = {
@@ -59,13 +62,14 @@ def limiting_term(terms: dict[str, float]) -> str:
             f"{terms['bound']:.2f}x)")
 
 
-def arm_terms(row: dict[str, Any], c: float, verify_token_cost: float) -> dict[str, float]:
+def arm_terms(row: dict[str, Any], c: float, verify: VerifyCost) -> dict[str, float]:
     """round_terms of one summary row (summarize_arm's per-category dict)."""
     if not row.get("n") or not row.get("num_rounds"):
         return {}
     model = row.get("sources", {}).get("model", {}).get("drafted", row["num_drafted"])
     return round_terms(row["speedup"]["decode_median"], row["mean_tokens_per_round"],
-                       row["num_drafted"] / row["num_rounds"], c, verify_token_cost, model / row["num_rounds"])
+                       row["num_drafted"] / row["num_rounds"], c, verify.token_cost, model / row["num_rounds"],
+                       verify.free_tokens)
 
 
 def headline_arm(arms: dict[str, Any]) -> str:
@@ -80,7 +84,7 @@ def _goal(name: str, value: float, threshold: float, limiting: str = "") -> dict
             "limiting": "" if value >= threshold else limiting}
 
 
-def goals_for_length(summary: dict[str, Any], length: int, c_of: dict[str, float], verify_token_cost: float,
+def goals_for_length(summary: dict[str, Any], length: int, c_of: dict[str, float], verify: VerifyCost,
                      llamacpp: dict[str, Any]) -> list[dict[str, Any]]:
     """Goals (a) and (b) at one max_new_tokens. `c_of`: layout -> draft/target cost ratio;
     `llamacpp`: the peer's summary ({"2": {"target": {"overall": {"tok_s": ...}}}} per thread count)."""
@@ -90,12 +94,12 @@ def goals_for_length(summary: dict[str, Any], length: int, c_of: dict[str, float
         for cat, threshold in GOAL_A.items():
             row = a[arm].get(cat)
             if row and row.get("n"):
-                terms = arm_terms(row, c_of.get("a", 0.0), verify_token_cost)
+                terms = arm_terms(row, c_of.get("a", 0.0), verify)
                 out.append(_goal(f"(a) @{length} {cat} decode speedup, layout a, {arm}",
                                  row["speedup"]["decode_median"], threshold, limiting_term(terms)))
     if b and (arm := headline_arm(b)):
         row = b[arm]["overall"]
-        terms = arm_terms(row, c_of.get("b", 0.0), verify_token_cost)
+        terms = arm_terms(row, c_of.get("b", 0.0), verify)
         out.append(_goal(f"(b) @{length} decode speedup over 2-core target-only, layout b, {arm}",
                          row["speedup"]["decode_median"], GOAL_B_OVER_2CORE, limiting_term(terms)))
         if a and (a_arm := headline_arm(a)):
@@ -104,7 +108,7 @@ def goals_for_length(summary: dict[str, Any], length: int, c_of: dict[str, float
             out.append(_goal(f"(b) @{length} layout-a {a_arm} vs layout-b 2-core target-only (decode tok/s)",
                              ratio, GOAL_B_OVER_2CORE, limiting_term(arm_terms(a[a_arm]["overall"],
                                                                               c_of.get("a", 0.0),
-                                                                              verify_token_cost))))
+                                                                              verify))))
         peer = llamacpp.get(str(length), {}).get("2", {}).get("target", {}).get("overall", {})
         if peer.get("tok_s"):
             ours = row["aggregate_tok_s"]
@@ -122,11 +126,11 @@ def greedy_goal(problems: list[dict[str, Any]]) -> dict[str, Any]:
             "threshold": 0.0, "passed": not problems, "limiting": "; ".join(bad)}
 
 
-def all_goals(report: dict[str, Any], verify_token_cost: float) -> list[dict[str, Any]]:
+def all_goals(report: dict[str, Any], verify: VerifyCost) -> list[dict[str, Any]]:
     summary = report["summary"]
     lengths = sorted({parse_run_key(k)[1] for k in summary})
     c_of = report.get("cost_ratio", {})
-    out = [g for n in lengths for g in goals_for_length(summary, n, c_of, verify_token_cost,
+    out = [g for n in lengths for g in goals_for_length(summary, n, c_of, verify,
                                                         report.get("llamacpp", {}).get("summary", {}))]
     out.append(greedy_goal(report.get("problems", [])))
     streams = report.get("streams")

@@ -33,6 +33,7 @@ from bench.soak_report import (
 from bench.speedup_arms import ARM_ENV, LAYOUTS, cpu_list, missing_features, parse_run_key, prompt_cap, run_key
 from bench.speedup_goals import format_goal, goals_for_length, greedy_goal, limiting_term, round_terms
 from bench.speedup_stats import analytic_speedup, pooled_acceptance, position_acceptance, speedups
+from gateway.verify_cost import VerifyCost
 from specmesh.launcher import Stack, StackConfig
 
 
@@ -266,6 +267,8 @@ def test_round_terms_split_the_round_and_name_the_limit() -> None:
     hidden = round_terms(2.0, 3.0, 4.0, 0.25, 0.0)         # R = 1.5 < 1 + D: half of D ran alongside the verify
     assert hidden["hidden"] == pytest.approx(0.5) and hidden["ideal draft cost"] == pytest.approx(3.0)
     assert round_terms(0.0, 3.0, 4.0, 0.1, 0.1) == {} and limiting_term({}) == "no rounds measured"
+    free = round_terms(1.0, 3.0, 4.0, 0.05, 0.1, free_tokens=4)   # 5 verified tokens, 4 free: V = 1 * 0.1
+    assert free["V"] == pytest.approx(0.1) and round_terms(1.0, 3.0, 3.0, 0.05, 0.1, free_tokens=4)["V"] == 0.0
 
 
 def _row(speedup: float, tok_s: float, n: int = 2) -> dict[str, Any]:
@@ -280,7 +283,7 @@ def test_goals_pass_and_fail_with_the_limiting_term() -> None:
     b = {"target": {"overall": _row(1.0, 15.0)}, "sequential": {"overall": _row(1.4, 21.0)}}
     peer = {"64": {"2": {"target": {"overall": {"tok_s": 20.0}}}}}
     goals = {g["goal"].split(",")[0]: g for g in goals_for_length({"a/64": a, "b/64": b}, 64, {"a": 0.4, "b": 0.3},
-                                                                   0.1, peer)}
+                                                                   VerifyCost(0.1), peer)}
     assert goals["(a) @64 overall decode speedup"]["passed"]
     assert goals["(a) @64 code decode speedup"]["passed"]
     chat = goals["(a) @64 chat decode speedup"]

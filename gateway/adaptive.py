@@ -29,11 +29,11 @@ Time per round:
 c = measured draft compute per token (decayed sum of draft seconds / decayed sum of drafted tokens); rtt = draft
 link round trip (paid only when we call the draft service: k = 0 means target-only decoding); verify(k) =
 v0 + v1 * x(k), a decayed least-squares line through the observed (x(k), verify_s) points, where x(k) = max(0,
-k + 1 - F) counts the verified tokens beyond the F a forward takes for the cost of one (the verifier's kernel row
-tile, VerifyResponse.free_tokens: 4 for int4 on AVX2, so k <= 3 drafts verify for about the price of none; F = 1
-until reported, then x(k) = k). While only one x has been seen the slope is not identifiable; then verify(k) =
-v0 * (1 + s * x(k)) with the prior relative slope s (`verify_rel_slope`). Once the verifier reports its own measure
-of one more token's cost (VerifyResponse.token_cost), that is s, always (gateway/verify_cost.py).
+k + 1 - F) counts the verified tokens beyond the F a forward takes for the cost of one (VerifyResponse.free_tokens,
+measured by the verifier: 4 for int4 on a full-width AVX2 core, so k <= 3 drafts verify for about the price of
+none; F = 1 until reported, then x(k) = k). While only one x has been seen the slope is not identifiable; then
+verify(k) = v0 * (1 + s * x(k)) with the prior relative slope s (`verify_rel_slope`). Once the verifier reports its
+own measure of one more token's cost (VerifyResponse.token_cost), that is s, always (gateway/verify_cost.py).
 
 Choice. k* = argmax_k E(k) / T(k) over [min_k, max_k], capped by load (below).
 

@@ -5,8 +5,9 @@ A verify of k drafts is a forward of k + 1 tokens (the drafts and the pending to
 
     verify(k) = verify(0) * (1 + token_cost * excess(k)),    excess(k) = max(0, k + 1 - free_tokens)
 
-free_tokens is its kernel's row tile (a forward of up to that many tokens costs about what one does: 4 for the int4
-kernel on AVX2, 8 on AVX-512 VNNI); token_cost what each token beyond them adds, relative to verify(0).
+free_tokens: a forward of up to that many tokens costs about what one does (measured: 4 for the int4 kernel on a
+full-width AVX2 core, where 4 rows of integer dot products take the time the weights take to stream; 1 where the
+kernel is compute-bound); token_cost what each token beyond them adds, relative to verify(0).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A decayed least-squares line through points (x, t): every new point weighs 1 and older ones `decay` times less
 per point added. Plain floats; the gateway fits verify time against draft length with it (gateway/adaptive.py), the
-verifier forward time against tokens per forward (verifier_service/forward_cost.py)."""
+verifier's token cost (verifier_service/forward_cost.py) fits its own lines from sums per forward size."""
 
 from __future__ import annotations
 

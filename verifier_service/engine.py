@@ -39,7 +39,8 @@ from specmesh.telemetry.metrics import StatsCollector
 from specmesh.tree import keep_shallow
 from specmesh.tree_rejection import tree_rejection_sample, verify_tree_greedy
 from verifier_service.ahead import match_ahead
-from verifier_service.forward_cost import ForwardCost
+from verifier_service.forward_cost import UNKNOWN as UNKNOWN_COST
+from verifier_service.forward_cost import Fit, ForwardCost
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,7 @@ class VerifyResult:
     num_cached_prompt_tokens: int = 0
     num_batch_tokens: int = 0    # tokens in the forward that verified this block, all sessions together
     num_waiting: int = 0         # work items queued when it finished
-    token_cost: float = 0.0      # one more token's measured cost relative to a one-token forward (0 = unknown)
-    free_tokens: int = 1         # tokens a forward takes for about the cost of one (token_cost is beyond these)
+    cost: Fit = UNKNOWN_COST     # the measured cost of one more token beyond the free ones (forward_cost.py)
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,7 @@ class VerifierEngine(BatchedEngine):
         self.metrics.registry.register(StatsCollector({"verifier": lambda: {
             "ahead_decoded": self.num_ahead_decoded, "ahead_delivered": self.num_ahead_delivered,
             "ahead_interrupted": self.num_ahead_interrupted}}))
-        # what one more token costs a forward, reported with verdicts
-        self.forward_cost = ForwardCost(runner.free_tokens)
+        self.forward_cost = ForwardCost()           # what one more token costs a forward, reported with verdicts
         self.max_queue_len = max_queue_len
         self.max_num_sessions = max_num_seqs * 4
         self.sessions: dict[str, Session] = {}
@@ -243,8 +242,7 @@ class VerifierEngine(BatchedEngine):
             self._deliver(session, len(ahead_ids))
             msg.done.set_result(VerifyResult(ahead_ids, len(match.path), tuple(match.path),
                                               num_batch_tokens=0, num_waiting=self.scheduler.num_waiting,
-                                              token_cost=self.forward_cost.token_cost(self.num_threads),
-                                              free_tokens=self.forward_cost.free_tokens))
+                                              cost=self.forward_cost.fit(self.num_threads)))
             return
         self._enqueue_in_room(session, msg, match.rest_ids, None, match.rest_parents, match.rest_indices,
                               tuple(match.path))
@@ -375,7 +373,7 @@ class VerifierEngine(BatchedEngine):
         path = list(drafts.ahead_path) + accepted
         done.set_result(VerifyResult(seq.token_ids[first_new:], len(path), tuple(path), num_cached,
                                      self.num_batch_tokens, self.scheduler.num_waiting,
-                                     self.forward_cost.token_cost(self.forward_threads), self.forward_cost.free_tokens))
+                                     self.forward_cost.fit(self.forward_threads)))
 
     def _commit(self, session: Session, emitted: list[int], num_accepted: int) -> None:
         """KV now holds every verified token plus the accepted drafts; the new target token has none yet."""

@@ -71,7 +71,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return verifier_pb2.VerifyResponse(num_accepted=result.num_accepted, token_ids=result.token_ids,
                                            num_batch_tokens=result.num_batch_tokens, num_waiting=result.num_waiting,
                                            accepted_node_indices=result.accepted_node_indices,
-                                           token_cost=result.token_cost, free_tokens=result.free_tokens)
+                                           token_cost=result.cost.token_cost,
+                                           free_tokens=result.cost.free_tokens)
 
     async def EndSession(self, request: common_pb2.EndSessionRequest,
                          context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:

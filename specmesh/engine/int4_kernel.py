@@ -36,16 +36,6 @@ def library() -> ctypes.CDLL:
 ISAS = ("avx2", "avx512vnni")      # the kernel's code paths, by the C file's ISA_* numbers
 
 
-ROW_TILES = {"avx2": 4, "avx512vnni": 8}   # activation rows per pass over a weight block (ROW_TILE in the C file)
-
-
-def row_tile() -> int:
-    """Rows a matmul takes for about the cost of one: each weight block is unpacked (and streamed from memory)
-    once per this many rows. Measured, Qwen2.5-1.5B int4 on an AVX2-only EPYC, 1 thread: 1-4 rows ~100 ms, 5 rows
-    140 ms, 8 rows 188 ms (bench/quantized_forward.py)."""
-    return ROW_TILES[instruction_set()]
-
-
 def instruction_set(wanted: str | None = None) -> str:
     """The kernel's code path in use (the best the CPU has, unless pinned); `wanted` pins one if the CPU has it.
     Both paths give bit-identical outputs."""

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from specmesh.engine import int4_kernel
 from specmesh.engine.errors import ForwardInterrupted
 from specmesh.engine.int4_linear import Int4GroupLinear, kernel_threads
 from specmesh.engine.paged_attention import ATTN_IMPLEMENTATION, PagedBatch, PagedKVCache, SeqSlice
@@ -56,8 +55,6 @@ class ModelRunner:
             raise ValueError("a model with fused projections runs only on specmesh's forward (float32 KV cache)")
         # int4 linears run on their own thread pool: torch's ops then stay on one thread (see forward_flat)
         self.own_kernel_threads = any(isinstance(m, Int4GroupLinear) for m in model.modules())
-        # tokens a forward takes for about the cost of one (the int4 kernel's row tile; 1 for other numerics)
-        self.free_tokens = int4_kernel.row_tile() if self.own_kernel_threads else 1
         # Asked between layers of specmesh's forward: True abandons the forward (ForwardInterrupted). The engine sets
         # it for work that may give way (the verifier's decoding ahead); transformers' forward runs to the end.
         self.interrupt: Callable[[], bool] | None = None
