@@ -40,7 +40,7 @@ ARM_K: dict[str, int] = {"sequential-k4": 4}
 # Arms with a draft service of their own (same model, other settings), reached through a proxy of their own.
 ARM_DRAFT_ENV: dict[str, dict[str, str]] = {"head-32k": {"SPECMESH_DRAFT_HEAD_VOCAB": "32768"}}
 # Arms whose asks of a repeated (FAQ) prompt go `repeat` times under one tenant (their drafters learn across asks).
-REPEAT_ARMS = ("tiers", "suffix", "all")
+REPEAT_ARMS = ("tiers", "suffix", "all", "suffix-cold")
 # GatewayConfig fields an arm needs; without them the services ignore the env var and the arm would only repeat
 # the sequential arm, so it is not run and is reported as n/a.
 ARM_FEATURES: dict[str, tuple[str, ...]] = {

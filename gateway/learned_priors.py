@@ -4,14 +4,16 @@ Each request's draft-length controller (gateway/adaptive.py) and proposer choice
 from nothing: the draft model's cost per token, the verify line, the link's round trip, acceptance per position,
 how far the suffix proposals' count ratios can be trusted. A short request spends a large share of its rounds on
 that (at the request's full k, a CPU round of the real pair costs ~1 s for ~2 tokens), and then ends. Here the
-gateway keeps, per key (the tenant and whether the request samples), the decayed sums of the requests that ended:
+gateway keeps books of the decayed sums of the requests that ended, one per tenant and one for the whole gateway
+(each split by whether the request samples):
 
     book[key] = keep * book[key] + sums of the request that ended        (keep = 0.5 per finished request)
 
-and a new request starts from them scaled to at most `max_rounds` rounds of evidence, so its own rounds outweigh
-the prior within a few rounds (its content may differ from the last requests'). Costs are the same for every
-request on this deployment; acceptance is only a head start. Nothing here is a tensor or a clock: plain floats,
-one dict, used from the event loop only.
+and a new request starts from its tenant's book, or the gateway's while its tenant has none, scaled to at most
+`max_rounds` rounds of evidence, so its own rounds outweigh the prior within a few rounds (its content may differ
+from the last requests'). Costs are the same for every request on this deployment; acceptance is only a head start.
+The books hold counts and timings, never token ids. Nothing here is a tensor or a clock: plain floats, dicts, used
+from the event loop only.
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ class PriorKey:
     tenant: str          # "" without tenants
     sampled: bool        # sampled requests accept fewer drafts than greedy ones
 
+    @property
+    def gateway_wide(self) -> PriorKey:
+        return PriorKey(GATEWAY, self.sampled)
+
+
+GATEWAY = "*"            # the book of every tenant's requests (not a tenant name: tenants are validated tokens)
+
 
 class LearnedPriors:
     def __init__(self, keep: float = KEEP, max_rounds: float = MAX_ROUNDS) -> None:
@@ -44,23 +53,30 @@ class LearnedPriors:
         self._choices: dict[PriorKey, ChoiceMemory] = {}
 
     def start(self, key: PriorKey, controller: DraftLengthController | None, choice: ProposerChoice | None) -> None:
-        """Seeds a new request's learners from the book (nothing yet: they start from their own priors)."""
-        if controller is not None and key in self._controllers:
-            controller.remember(self._controllers[key], self.max_rounds)
-        if choice is not None and key in self._choices:
-            choice.remember(self._choices[key], self.max_rounds)
+        """Seeds a new request's learners from its tenant's book, else the gateway's (neither: they start from
+        their own priors)."""
+        if controller is not None and (memory := _book(self._controllers, key)) is not None:
+            controller.remember(memory, self.max_rounds)
+        if choice is not None and (choice_memory := _book(self._choices, key)) is not None:
+            choice.remember(choice_memory, self.max_rounds)
 
     def finish(self, key: PriorKey, controller: DraftLengthController | None, choice: ProposerChoice | None) -> None:
-        """Adds what an ended request's learners measured (a request that ran no round adds nothing)."""
-        if controller is not None:
-            self._controllers = _added(self._controllers, key, controller.memory(), self.keep)
-        if choice is not None:
-            self._choices = _added(self._choices, key, choice.memory(), self.keep)
+        """Adds what an ended request's learners measured to its tenant's book and the gateway's (a request that
+        ran no round adds nothing)."""
+        for book_key in {key, key.gateway_wide}:
+            if controller is not None:
+                self._controllers = _added(self._controllers, book_key, controller.memory(), self.keep)
+            if choice is not None:
+                self._choices = _added(self._choices, book_key, choice.memory(), self.keep)
 
     def rounds(self, key: PriorKey) -> tuple[float, float]:
         """(controller, choice) rounds of evidence the book holds for `key` (for tests and metrics)."""
         c, p = self._controllers.get(key), self._choices.get(key)
         return (c.rounds if c else 0.0, p.rounds if p else 0.0)
+
+
+def _book(books: dict[PriorKey, M], key: PriorKey) -> M | None:
+    return books.get(key, books.get(key.gateway_wide))
 
 
 def _added(book: dict[PriorKey, M], key: PriorKey, memory: M, keep: float) -> dict[PriorKey, M]:

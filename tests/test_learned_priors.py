@@ -72,15 +72,22 @@ def test_the_request_s_own_rounds_outweigh_the_prior() -> None:
     assert ctrl.k >= 4 and ctrl.acceptance() > 0.8    # a prior of at most 3 rounds cannot hold it back
 
 
-def test_books_are_per_tenant_and_per_greedy_or_sampled() -> None:
+def test_a_tenant_starts_from_its_own_book_else_the_gateway_s() -> None:
     priors = LearnedPriors()
-    finished_request(priors, acceptance=0.0, key=PriorKey("a", False))
-    assert priors.rounds(PriorKey("a", False))[0] > 0
+    finished_request(priors, acceptance=0.0, key=PriorKey("a", False), costs=CHEAP_DRAFTS)
+    assert priors.rounds(PriorKey("a", False))[0] > 0 and priors.rounds(PriorKey("a", True)) == (0.0, 0.0)
     assert priors.rounds(PriorKey("b", False)) == (0.0, 0.0)
-    assert priors.rounds(PriorKey("a", True)) == (0.0, 0.0)
-    other = DraftLengthController(max_k=8, initial_k=8)
-    priors.start(PriorKey("b", False), other, None)
-    assert other.k == 8 and other.draft_cost() is None
+    newcomer = DraftLengthController(max_k=8, initial_k=8)
+    priors.start(PriorKey("b", False), newcomer, None)         # no book of its own: the gateway's (tenant a's)
+    assert newcomer.k == 1 and newcomer.draft_cost() == pytest.approx(0.01)
+    sampled = DraftLengthController(max_k=8, initial_k=8)
+    priors.start(PriorKey("b", True), sampled, None)            # nothing sampled has ended yet
+    assert sampled.k == 8 and sampled.draft_cost() is None
+    finished_request(priors, acceptance=1.0, key=PriorKey("b", False), costs=CHEAP_DRAFTS)
+    own, other = DraftLengthController(max_k=8, initial_k=2), DraftLengthController(max_k=8, initial_k=2)
+    priors.start(PriorKey("b", False), own, None)
+    priors.start(PriorKey("a", False), other, None)
+    assert own.acceptance() > other.acceptance() + 0.3          # each tenant's own book first
 
 
 def test_a_request_without_rounds_adds_nothing() -> None:
