@@ -1,6 +1,6 @@
 """A decayed least-squares line through points (x, t): every new point weighs 1 and older ones `decay` times less
-per point added. Plain floats; the gateway fits verify time against draft length with it (gateway/adaptive.py), the
-verifier's token cost (verifier_service/forward_cost.py) fits its own lines from sums per forward size."""
+per point added. Plain floats; the gateway fits verify time against the tokens a verify pays for with it
+(gateway/adaptive.py)."""
 
 from __future__ import annotations
 
