@@ -18,7 +18,10 @@ acceptance per position (`gateway.adaptive.DraftLengthController`, fed only the 
 `expected_tokens`). Target-only (nothing drafted) competes too. A proposer not chosen for `PROBE_EVERY` rounds is
 chosen once, so an estimate that went wrong can recover; one whose round costs much more than the best one's waits
 longer, so that probes take at most `PROBE_BUDGET` of the time (on a CPU where verifying drafts is dear, a draft
-model round can cost five target-only rounds: probing it every 16 rounds cost a quarter of the decode time).
+model round can cost five target-only rounds: probing it every 16 rounds cost a quarter of the decode time). The
+draft model is chosen over target-only until `MODEL_TRIALS` of its rounds of this request were verified: its
+acceptance differs most between requests (chat ~0.4, code ~0.9), and estimates a request starts from
+(gateway/learned_priors.py, or one slow first round) would otherwise keep it from being measured on this request.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ VERIFY_SLOPE = 0.1           # extra verify time per drafted token, relative to 
 PRIOR_VERIFY_S = 0.15        # before any verify was measured (a CPU verify of the real pair: ~150-215 ms)
 PROBE_EVERY = 16             # rounds a drafting proposer may go unchosen before it gets one round
 PROBE_BUDGET = 0.1           # ... at least: its extra round time over the best's, per best-round time spent since
+MODEL_TRIALS = 2             # verified model rounds every request gets, whatever the estimates
 MAX_MODEL_K = 64
 MAX_DEPTH = 32               # suffix calibration per depth up to here (deeper nodes share the last)
 DEPTH_SHRINK = 2.0           # pseudo-observations pulling a depth's calibration toward the pooled one
@@ -108,6 +112,7 @@ class ProposerChoice:
         self._calibration = {p: _Calibration() for p in (LOCAL, GLOBAL)}
         self.model = DraftLengthController(max_k=MAX_MODEL_K, initial_k=0)
         self._unchosen: dict[str, int] = {}
+        self._model_rounds = 0                      # verified model rounds of this request (not remembered ones)
         self._rounds = 0.0                          # decayed number of verified rounds observed
 
     # ------------------------------------------------------------------ estimates
@@ -160,6 +165,8 @@ class ProposerChoice:
         starved = [p for p in drafting if p != best and self._unchosen[p] > PROBE_EVERY
                    and self._unchosen[p] * best_s * PROBE_BUDGET >= self.round_s(p, options[p][1]) - best_s]
         best = starved[0] if starved else best
+        if best == NONE and MODEL in options and self._model_rounds < MODEL_TRIALS:
+            best = MODEL
         self._unchosen[best] = 0
         return best
 
@@ -184,6 +191,7 @@ class ProposerChoice:
             self._calibration[proposer].add(proposal, accepted_nodes)
 
     def observe_model(self, num_drafted: int, num_accepted: int, draft_s: float, verify_s: float) -> None:
+        self._model_rounds += 1
         if num_drafted > 0:
             self.model.observe(min(num_drafted, MAX_MODEL_K), min(num_accepted, num_drafted, MAX_MODEL_K),
                                draft_s, verify_s)

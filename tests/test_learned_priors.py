@@ -168,3 +168,24 @@ async def test_the_second_request_starts_from_the_first_one_s_draft_length(stack
     assert first_ids == second_ids == cold_ids == expected
     assert first_k == 8 and cold_k == 8                 # nothing learned yet / learning off: the request's k
     assert second_k <= 2                                 # the unrelated draft's rejections were remembered
+
+
+def test_a_choice_started_from_a_poor_model_book_still_tries_the_model_on_its_own_text() -> None:
+    """Chat requests taught the book that model rounds do not pay; a code request must still measure the model."""
+    chat = ProposerChoice()
+    for _ in range(20):
+        chat.observe_cost(MODEL, 0.3)
+        chat.observe_verify(3, 0.1, VerifyCost(0.4, 4))
+        chat.observe_model(3, 0, 0.3, 0.1)
+    priors = LearnedPriors()
+    priors.finish(GREEDY, None, chat)
+    code = ProposerChoice()
+    priors.start(GREEDY, None, code)
+    option = {MODEL: (code.expected_model(3), 3)}
+    assert code.rate(MODEL, *option[MODEL]) < code.rate("none", 0.0, 0)     # the estimates say target-only
+    picks = []
+    for _ in range(4):
+        picks.append(code.choose(dict(option)))
+        if picks[-1] == MODEL:
+            code.observe_model(3, 0, 0.3, 0.1)                               # ... and the trials agree
+    assert picks == [MODEL, MODEL, "none", "none"]
