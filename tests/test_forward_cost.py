@@ -4,7 +4,10 @@ be sent long drafts that a cheap one (~0.05) would take."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import pytest
@@ -14,7 +17,7 @@ from gateway.suffix_choice import LOCAL, NONE, ProposerChoice
 from gateway.suffix_tree import Proposal
 from gateway.verify_cost import VerifyCost
 from protos.specmesh.v1 import verifier_pb2, verifier_pb2_grpc
-from tests.stack import start_verifier
+from tests.stack import Running, start_verifier
 from verifier_service.forward_cost import MAX_TOKENS, ForwardCost
 
 
@@ -130,55 +133,50 @@ def test_the_draft_length_follows_the_verifiers_token_cost() -> None:
     assert ks[0.5] < ks[0.02]
 
 
-async def test_a_verifier_reports_its_token_cost_once_its_forwards_differ_in_size() -> None:
-    """Over gRPC: 0 while every forward had one token, then a positive cost once drafted verifies ran. Each forward
-    of the tiny model takes 20 ms more per token (its own time is overhead and noise, with no slope to find)."""
+@contextlib.asynccontextmanager
+async def verifier_with_forward_time(seconds: Callable[[int], float]) -> AsyncIterator[tuple[Running, Any]]:
+    """An int8 tiny verifier whose every forward also sleeps seconds(tokens in the forward) (the tiny model's own
+    time is overhead and noise, with no slope to find), and a stub to it."""
     verifier = await start_verifier(dtype="int8", decode_ahead_tokens=0)
     runner = verifier.engine.runner
     forward_flat = runner.forward_flat
 
-    def dear_forward_flat(items: list, *args: object, **kwargs: object) -> object:
-        time.sleep(0.02 * sum(len(item.token_ids) for item in items))
+    def slowed_forward_flat(items: list, *args: object, **kwargs: object) -> object:
+        time.sleep(seconds(sum(len(item.token_ids) for item in items)))
         return forward_flat(items, *args, **kwargs)
-    runner.forward_flat = dear_forward_flat
+    runner.forward_flat = slowed_forward_flat
     try:
         async with grpc.aio.insecure_channel(verifier.addr) as channel:
-            stub = verifier_pb2_grpc.VerifierStub(channel)
-            start = await stub.StartSession(verifier_pb2.StartSessionRequest(
-                session_id="c", prompt_token_ids=list(range(5, 30)), max_new_tokens=200))
-            replies = [await stub.Verify(verifier_pb2.VerifyRequest(session_id="c", owner_token=start.owner_token))
-                       for _ in range(3)]
-            assert [r.token_cost for r in replies] == [0.0, 0.0, 0.0]      # the prefill is not verify-sized
-            for i in range(30):                                           # drafts of 0-5 tokens (some rejected)
-                drafts = [7] * (i % 6)
-                replies.append(await stub.Verify(verifier_pb2.VerifyRequest(
-                    session_id="c", owner_token=start.owner_token, draft_token_ids=drafts)))
-            assert 0.5 < replies[-1].token_cost <= 1.0                     # t(n) ~ 20 ms * n + the model's
-            assert replies[-1].free_tokens == 1
-            assert replies[-1].token_cost == pytest.approx(verifier.engine.forward_cost.token_cost(1))
+            yield verifier, verifier_pb2_grpc.VerifierStub(channel)
     finally:
         await verifier.stop()
+
+
+async def test_a_verifier_reports_its_token_cost_once_its_forwards_differ_in_size() -> None:
+    """Over gRPC: 0 while every forward had one token, then a positive cost once drafted verifies ran. Each forward
+    of the tiny model takes 20 ms more per token."""
+    async with verifier_with_forward_time(lambda n: 0.02 * n) as (verifier, stub):
+        start = await stub.StartSession(verifier_pb2.StartSessionRequest(
+            session_id="c", prompt_token_ids=list(range(5, 30)), max_new_tokens=200))
+        replies = [await stub.Verify(verifier_pb2.VerifyRequest(session_id="c", owner_token=start.owner_token))
+                   for _ in range(3)]
+        assert [r.token_cost for r in replies] == [0.0, 0.0, 0.0]      # the prefill is not verify-sized
+        for i in range(30):                                           # drafts of 0-5 tokens (some rejected)
+            drafts = [7] * (i % 6)
+            replies.append(await stub.Verify(verifier_pb2.VerifyRequest(
+                session_id="c", owner_token=start.owner_token, draft_token_ids=drafts)))
+        assert 0.5 < replies[-1].token_cost <= 1.0                     # t(n) ~ 20 ms * n + the model's
+        assert replies[-1].free_tokens == 1
+        assert replies[-1].token_cost == pytest.approx(verifier.engine.forward_cost.token_cost(1))
 
 
 async def test_a_verifier_reports_the_tokens_its_forwards_take_for_the_price_of_one() -> None:
     """Each forward of the tiny model is made to cost 40 ms for up to 4 tokens and 15 ms more per token beyond."""
-    verifier = await start_verifier(dtype="int8", decode_ahead_tokens=0)
-    runner = verifier.engine.runner
-    forward_flat = runner.forward_flat
-
-    def tiled_forward_flat(items: list, *args: object, **kwargs: object) -> object:
-        time.sleep(0.04 + 0.015 * max(0, sum(len(item.token_ids) for item in items) - 4))
-        return forward_flat(items, *args, **kwargs)
-    runner.forward_flat = tiled_forward_flat
-    try:
-        async with grpc.aio.insecure_channel(verifier.addr) as channel:
-            stub = verifier_pb2_grpc.VerifierStub(channel)
-            start = await stub.StartSession(verifier_pb2.StartSessionRequest(
-                session_id="f", prompt_token_ids=list(range(5, 30)), max_new_tokens=300))
-            for i in range(40):                                           # drafts of 0-7 tokens
-                reply = await stub.Verify(verifier_pb2.VerifyRequest(
-                    session_id="f", owner_token=start.owner_token, draft_token_ids=[7] * (i * 3 % 8)))
-        assert reply.free_tokens == 4
-        assert 0.2 < reply.token_cost < 0.6                                # 15 / 40 ms, plus the model's own time
-    finally:
-        await verifier.stop()
+    async with verifier_with_forward_time(lambda n: 0.04 + 0.015 * max(0, n - 4)) as (_, stub):
+        start = await stub.StartSession(verifier_pb2.StartSessionRequest(
+            session_id="f", prompt_token_ids=list(range(5, 30)), max_new_tokens=300))
+        for i in range(40):                                           # drafts of 0-7 tokens
+            reply = await stub.Verify(verifier_pb2.VerifyRequest(
+                session_id="f", owner_token=start.owner_token, draft_token_ids=[7] * (i * 3 % 8)))
+    assert reply.free_tokens == 4
+    assert 0.2 < reply.token_cost < 0.6                                # 15 / 40 ms, plus the model's own time
