@@ -314,7 +314,7 @@ class DraftLengthController:
         """What the verifier reported: its free tokens (the line's x from then on) and its measured cost of one more
         verified token (0 = unknown), the line's slope from then on (a line fitted to rounds of a few similar k
         extrapolates badly). Call it before `observe` of the same round."""
-        self._verify.free_tokens = max(1, cost.free_tokens)
+        self._verify.free_tokens = cost.free_tokens
         if cost.token_cost > 0:
             self._verify.measured_slope = cost.token_cost
 

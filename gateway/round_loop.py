@@ -136,7 +136,7 @@ class Generation:
         return RoundEvent(round_index, draft, result.num_accepted, list(result.token_ids), drafted - started,
                           time.perf_counter() - drafted, result.num_waiting, result.num_batch_tokens,
                           list(result.accepted_node_indices),
-                          VerifyCost(result.token_cost, max(1, result.free_tokens)))
+                          VerifyCost(result.token_cost, max(1, result.free_tokens)))   # 0: an older verifier
 
     def _wanted_k(self) -> int:
         return self.draft_length.next_k() if self.draft_length else self.params.num_draft_tokens

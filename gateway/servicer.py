@@ -97,10 +97,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             await context.abort(status_code(exc.code), str(exc))
         telemetry.started(params)
         generation = self._new_generation(params, context, telemetry.context)
-        prior_key = PriorKey(tenant_from_metadata(context.invocation_metadata(),
-                                                  self.tiers.api_keys if self.tiers else None) or "",
-                             not params.sampling.is_greedy)
         learners = generation.draft_length, _choice_of(generation.drafter)
+        prior_key = self._prior_key(params, context)
         if self.priors is not None:
             self.priors.start(prior_key, *learners)
         try:
@@ -118,6 +116,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             task = asyncio.ensure_future(generation.close())
             self._cleanups.add(task)
             task.add_done_callback(self._cleanups.discard)
+
+    def _prior_key(self, params: GenerationParams, context: grpc.aio.ServicerContext) -> PriorKey:
+        tenant = tenant_from_metadata(context.invocation_metadata(), self.tiers.api_keys if self.tiers else None)
+        return PriorKey(tenant or "", not params.sampling.is_greedy)
 
     def _new_generation(self, params: GenerationParams, context: grpc.aio.ServicerContext,
                         trace_context: Context | None = None) -> Generation:

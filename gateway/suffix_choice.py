@@ -177,10 +177,10 @@ class ProposerChoice:
     def observe_verify(self, num_tokens: int, seconds: float, cost: VerifyCost = UNKNOWN_COST) -> None:
         """A verify of `num_tokens` drafts took `seconds`; cost: what the verifier reported about its forward's cost
         (a token_cost of 0 = not reported: keep the last one)."""
-        self.free_tokens = max(1, cost.free_tokens)
+        self.free_tokens = cost.free_tokens
         if cost.token_cost > 0:
             self.verify_slope = cost.token_cost
-        self.model.observe_verify_cost(VerifyCost(cost.token_cost, self.free_tokens))
+        self.model.observe_verify_cost(cost)
         self._rounds = DECAY * self._rounds + 1.0
         excess = excess_tokens(num_tokens, self.free_tokens)
         self._verify_base.add(max(0.0, seconds) / (1 + self.verify_slope * excess))
@@ -195,7 +195,6 @@ class ProposerChoice:
         if num_drafted > 0:
             self.model.observe(min(num_drafted, MAX_MODEL_K), min(num_accepted, num_drafted, MAX_MODEL_K),
                                draft_s, verify_s)
-
 
     # ------------------------------------------------------------------ memory across requests
     def memory(self) -> ChoiceMemory:

@@ -18,15 +18,12 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class VerifyCost:
     token_cost: float = 0.0      # one more token beyond the free ones, relative to a one-token verify (0 = unknown)
-    free_tokens: int = 1         # tokens a forward takes for about the cost of one (0 on the wire = 1)
-
-    def excess(self, num_drafts: int) -> int:
-        """Tokens of a verify of `num_drafts` drafts that cost extra."""
-        return excess_tokens(num_drafts, self.free_tokens)
+    free_tokens: int = 1         # >= 1: tokens a forward takes for about the cost of one (0 on the wire reads as 1)
 
 
 def excess_tokens(num_drafts: int, free_tokens: int) -> int:
-    return max(0, num_drafts + 1 - max(1, free_tokens))
+    """Tokens of a verify of `num_drafts` drafts that cost extra."""
+    return max(0, num_drafts + 1 - free_tokens)
 
 
 UNKNOWN_COST = VerifyCost()
