@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.drafters import NO_DRAFT, Draft, ModelDrafter
-from gateway.ngram import propose_ngram
 from gateway.round_spans import cache_lookup_span
 from gateway.tier_stats import DraftingStats
 from gateway.validation import GenerationParams
@@ -24,6 +23,7 @@ from kvstore.factory import parse_lens
 from kvstore.suffix_store import open_suffix_store
 from protos.specmesh.v1 import common_pb2
 from specmesh.config import GatewayConfig
+from specmesh.ngram import propose_ngram
 from specmesh.security import TENANT_HEADER, ApiKeys, Denied, Metadata, load_api_keys, tenant_of
 
 __all__ = ["TENANT_HEADER", "DraftTiers", "TierSettings", "build_tiers", "tenant_from_metadata"]

@@ -62,6 +62,7 @@ class VerifierConfig:
     decode_ahead_tokens: int = 8       # greedy sessions decode up to this many tokens ahead while idle; 0 = off
     decode_ahead_threads: int = 0      # torch threads of a step that only decodes ahead (1 on a host shared with the
                                        # draft service: its core stays free); 0 = as any step
+    decode_ahead_guesses: bool = True  # steps that decode ahead fill their free rows with prompt-lookup guesses
     session_lease_s: float = 60.0      # no call for this long: the session is ended and its KV freed (> draft timeout)
     telemetry: TelemetryConfig = TelemetryConfig()
     tls: TlsConfig = TlsConfig()

@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from gateway.drafters import Draft
-from gateway.ngram import propose_ngram
 from gateway.tiers import DraftTiers, TierSettings, tenant_from_metadata
 from gateway.validation import GenerationParams
 from kvstore.codec import ValueCodec
@@ -25,6 +24,7 @@ from kvstore.memory import MemoryDraftCache
 from protos.specmesh.v1 import common_pb2, generate_pb2_grpc
 from specmesh import client
 from specmesh.models import resolve_model_dir
+from specmesh.ngram import propose_ngram
 from specmesh.sampling import SamplingParams
 from tests.redis_server import RedisServer
 from tests.stack import reference_greedy, start_draft, start_gateway, start_verifier

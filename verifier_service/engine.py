@@ -39,6 +39,7 @@ from specmesh.telemetry.metrics import StatsCollector
 from specmesh.tree import keep_shallow
 from specmesh.tree_rejection import tree_rejection_sample, verify_tree_greedy
 from verifier_service.ahead import match_ahead
+from verifier_service.ahead_guess import GuessRate, best_num_guesses, guess
 from verifier_service.forward_cost import UNKNOWN as UNKNOWN_COST
 from verifier_service.forward_cost import Fit, ForwardCost
 
@@ -56,6 +57,7 @@ class Session:
     started: bool = False        # its first token was sampled
     num_delivered: int = 0       # token_ids[:num_delivered] were sent to the caller; the rest were decoded ahead
     drafting: bool = False       # its last verify carried drafts (its caller is likely drafting now)
+    guess_rate: GuessRate = dataclasses.field(default_factory=GuessRate)   # of its ahead steps' guesses
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ class _Drafts:
     parents: list[int] | None = None
     node_indices: list[int] | None = None      # kept node -> its index in the request (nodes past the context drop)
     ahead_path: tuple[int, ...] = ()           # request nodes already accepted against tokens decoded ahead
-    is_ahead_step: bool = False                # no caller: one token decoded ahead (greedy)
+    is_ahead_step: bool = False                # no caller: decoding ahead (greedy), after any guesses
 
 
 class _NoCaller:
@@ -129,6 +131,7 @@ class VerifierEngine(BatchedEngine):
         self.max_model_len = max_model_len
         self.max_ahead_tokens = max_ahead_tokens   # 0: never decode ahead
         self.ahead_threads = 0                     # torch threads of a step that only decodes ahead; 0 = as any step
+        self.ahead_guesses = False                 # ahead steps carry prompt-lookup guesses (ahead_guess.py)
         self._ahead_beside_drafts = False          # the step only decodes ahead, for a session that drafts
         self._ahead_stalled = False                # the last ahead step could run none: wait for a message
         # Set from the event loop when a message that needs a forward arrives: a step that only decodes ahead then
@@ -138,10 +141,14 @@ class VerifierEngine(BatchedEngine):
         self.num_ahead_decoded = 0                 # tokens decoded ahead
         self.num_ahead_delivered = 0               # of them, the ones a caller received
         self.num_ahead_interrupted = 0             # ahead steps that gave way to a verify
-        # exported as specmesh_verifier_ahead_tokens_total{outcome=decoded|delivered|interrupted}
+        self.num_ahead_guessed = 0                 # prompt-lookup guesses run in ahead steps
+        self.num_ahead_guesses_accepted = 0        # of them, the ones equal to the target's tokens
+        # exported as specmesh_verifier_ahead_tokens_total{outcome=decoded|delivered|interrupted|guessed|
+        # guess_accepted}
         self.metrics.registry.register(StatsCollector({"verifier": lambda: {
             "ahead_decoded": self.num_ahead_decoded, "ahead_delivered": self.num_ahead_delivered,
-            "ahead_interrupted": self.num_ahead_interrupted}}))
+            "ahead_interrupted": self.num_ahead_interrupted, "ahead_guessed": self.num_ahead_guessed,
+            "ahead_guess_accepted": self.num_ahead_guesses_accepted}}))
         self.forward_cost = ForwardCost()           # what one more token costs a forward, reported with verdicts
         self.max_queue_len = max_queue_len
         self.max_num_sessions = max_num_seqs * 4
@@ -285,11 +292,13 @@ class VerifierEngine(BatchedEngine):
         return self.scheduler.num_waiting > 0 or (not self._ahead_stalled and bool(self._ahead_sessions()))
 
     def step(self) -> None:
-        """With no verify waiting, idle greedy sessions decode one token ahead each (one batched forward). Their
-        requests never outlive the step, so a verify arriving next finds none of them queued."""
+        """With no verify waiting, idle greedy sessions decode one token ahead each (one batched forward), plus the
+        guesses that fit the forward's free rows. Their requests never outlive the step, so a verify arriving next
+        finds none of them queued."""
         ahead = [] if self.scheduler.num_waiting else self._ahead_sessions()
         self._ahead_beside_drafts = any(s.drafting for s in ahead)
-        requests = [ForwardRequest(s.seq, [], 1, (s, _AHEAD_STEP, _NO_CALLER)) for s in ahead]
+        requests = [ForwardRequest(s.seq, g, len(g) + 1, (s, _AHEAD_STEP, _NO_CALLER))
+                    for s, g in zip(ahead, self._guesses(ahead), strict=True)]
         for request in requests:                    # (not `busy`: a verify arriving next finds none of them)
             self.scheduler.enqueue(request)
         try:
@@ -336,6 +345,23 @@ class VerifierEngine(BatchedEngine):
                 room -= bm.num_blocks_needed(n) - len(bm.block_table(seq.seq_id))
         return out
 
+    def _guesses(self, ahead: list[Session]) -> list[list[int]]:
+        """Prompt-lookup guesses per ahead session, as many as pay at the forward's measured cost (ahead_guess.py);
+        only for sessions whose caller drafts, never past the ahead limit or the session's length."""
+        out: list[list[int]] = []
+        fit = self.forward_cost.fit(self.threads_for(len(ahead)))
+        num_rows = len(ahead)
+        for s in ahead:
+            room = self._guess_room(s) if self.ahead_guesses and s.drafting else 0
+            g = best_num_guesses(s.guess_rate.rate, fit, num_rows, room)
+            out.append(guess(s.seq.token_ids, g, self.eos_token_ids) if g else [])
+            num_rows += len(out[-1])
+        return out
+
+    def _guess_room(self, s: Session) -> int:
+        n = len(s.seq.token_ids)
+        return min(self.max_ahead_tokens - (n - s.num_delivered), min(s.max_len, self.max_model_len) - n) - 1
+
     def _forward_item(self, item: ScheduledItem) -> ForwardItem:
         forward_item = super()._forward_item(item)
         parents = item.request.payload[1].parents
@@ -352,9 +378,13 @@ class VerifierEngine(BatchedEngine):
         """logits [n+1, V] for the pending token and the n drafts (chain or tree nodes)."""
         session, drafts, done = req.payload
         seq = session.seq
-        if drafts.is_ahead_step:
-            self._commit(session, self.argmax_rows(req)[:1], 0)
-            self.num_ahead_decoded += 1
+        if drafts.is_ahead_step:             # the pending token's next token, after any guesses it confirms
+            emitted = greedy_accept(self.argmax_rows(req), req.extra_ids)
+            self._commit(session, emitted, len(emitted) - 1)
+            self.num_ahead_decoded += len(emitted)
+            self.num_ahead_guessed += len(req.extra_ids)
+            self.num_ahead_guesses_accepted += len(emitted) - 1
+            session.guess_rate.observe(len(req.extra_ids), len(emitted) - 1)
             return
         if drafts.parents is None:
             emitted = self._sample(req, session, logits, drafts.dists)
