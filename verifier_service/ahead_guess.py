@@ -4,10 +4,9 @@ A step that decodes ahead runs one token per session (the pending token), so on 
 weights once for a few rows it leaves rows nearly free: Qwen2.5-1.5B int4 on one core, 100 ms for 1 to 4 tokens on
 an AVX2 Zen 3, 50 ms for 1 token and ~9 ms per further token on a Zen 4 with AVX-512 VNNI. Those rows carry
 prompt-lookup guesses (`specmesh/ngram.py`: what followed the context's last n-gram earlier in the same context),
-checked greedily in the
-same forward: every guess equal to the target's argmax is a token the target would have emitted, and the step
-commits it with the target's own next token, so decoding ahead moves several tokens per forward on repetitive text
-(code edits, quotes, lists) and output stays exactly target-only greedy.
+checked greedily in the same forward: every guess equal to the target's argmax is a token the target would have
+emitted, and the step commits it with the target's own next token, so decoding ahead moves several tokens per
+forward on repetitive text (code edits, quotes, lists) and output stays exactly target-only greedy.
 
 How many guesses a session's step carries is priced like a draft length: with a the guesses' acceptance rate (each
 one given the ones before it, `GuessRate`, per session) and t(n) = 1 + token_cost * max(0, n - F) the forward's cost
