@@ -77,10 +77,10 @@ async def test_guesses_decode_several_tokens_per_ahead_step_and_stay_exact(token
         guessed_at.append(pos)
         return guesses[:-1] + [X] if len(guessed_at) % 2 and guesses else guesses
 
-    monkeypatch.setattr("verifier_service.engine.guess", oracle)
+    monkeypatch.setattr("verifier_service.decode_ahead.guess", oracle)
     verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=6)
     engine = verifier.engine
-    engine.ahead_guesses = True
+    engine.ahead.guesses = True
     engine.forward_cost.fit = lambda num_threads: Fit(0.0, 8, 0.0)      # as if rows were free on this CPU
     try:
         output = list((await engine.start_session("g", prompt_ids, SamplingParams(), max_new_tokens=max_new)
@@ -92,10 +92,10 @@ async def test_guesses_decode_several_tokens_per_ahead_step_and_stay_exact(token
             assert held <= 6                                             # the ahead limit holds with guesses
             output += (await engine.verify("g", [X], None).future).token_ids
         assert output[:max_new] == expected[:max_new]
-        assert guessed_at and engine.num_ahead_guessed > engine.num_ahead_guesses_accepted > len(guessed_at)
+        assert guessed_at and engine.ahead.counts.guessed > engine.ahead.counts.guess_accepted > len(guessed_at)
         accepted = engine.metrics.registry.get_sample_value("specmesh_verifier_ahead_tokens_total",
                                                             {"outcome": "guess_accepted"})
-        assert accepted == engine.num_ahead_guesses_accepted
+        assert accepted == engine.ahead.counts.guess_accepted
         engine.end_session("g")
         await wait_blocks_free(verifier)
     finally:
@@ -105,7 +105,7 @@ async def test_guesses_decode_several_tokens_per_ahead_step_and_stay_exact(token
 async def test_a_target_only_session_gets_no_guesses(tokenizer) -> None:
     verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=6)
     engine = verifier.engine
-    engine.ahead_guesses = True
+    engine.ahead.guesses = True
     engine.forward_cost.fit = lambda num_threads: Fit(0.0, 8, 0.0)
     try:
         prompt_ids = tokenizer(PROMPTS[3])["input_ids"]
@@ -113,7 +113,7 @@ async def test_a_target_only_session_gets_no_guesses(tokenizer) -> None:
                        .future).token_ids)
         while len(output) < 30:
             output += (await engine.verify("t", [], None).future).token_ids
-        assert engine.num_ahead_guessed == 0 and engine.num_ahead_decoded > 0
+        assert engine.ahead.counts.guessed == 0 and engine.ahead.counts.decoded > 0
         engine.end_session("t")
         await wait_blocks_free(verifier)
     finally:

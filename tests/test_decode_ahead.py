@@ -88,12 +88,12 @@ async def test_verifies_leave_with_the_tokens_decoded_ahead_and_stay_exact(token
         await wait_ahead(engine, "s", n + 1 + 5)
         assert len(engine.sessions["s"].seq.token_ids) == n + 1 + 5           # the limit: 5 ahead, no more
         # A wrong second draft: settled by the tokens decoded ahead, no forward, and all five leave with it.
-        engine.max_ahead_tokens = 0           # (so that no step decodes ahead again right after the answer)
+        engine.ahead.max_tokens = 0           # (so that no step decodes ahead again right after the answer)
         steps = engine.num_steps
         ahead = engine.sessions["s"].seq.token_ids[n + 1:]
         reply = await engine.verify("s", [ahead[0], X], None).future
         assert engine.num_steps == steps and reply.num_batch_tokens == 0
-        engine.max_ahead_tokens = 5
+        engine.ahead.max_tokens = 5
         engine.post(None)                      # wake the engine thread to decode ahead again
         assert (reply.num_accepted, list(reply.accepted_node_indices), reply.token_ids) == (1, [0], ahead)
         output += reply.token_ids
@@ -109,10 +109,10 @@ async def test_verifies_leave_with_the_tokens_decoded_ahead_and_stay_exact(token
         assert output == await target_only(prompt_ids, 30)
         await wait_ahead(engine, "s", n + 30)
         assert len(engine.sessions["s"].seq.token_ids) == n + 30                # never past max_new_tokens
-        assert engine.num_ahead_delivered >= 10
+        assert engine.ahead.counts.delivered >= 10
         delivered = engine.metrics.registry.get_sample_value("specmesh_verifier_ahead_tokens_total",
                                                              {"outcome": "delivered"})
-        assert delivered == engine.num_ahead_delivered
+        assert delivered == engine.ahead.counts.delivered
         engine.end_session("s")
         await wait_blocks_free(verifier)
     finally:
@@ -143,7 +143,7 @@ async def test_float32_tokens_decoded_ahead_are_transformers_greedy(tokenizer) -
         while len(output) < 24:
             await wait_ahead(engine, "f", len(prompt_ids) + len(output) + 1)
             output += (await engine.verify("f", [], None).future).token_ids
-        assert output == expected and engine.num_ahead_delivered >= 23
+        assert output == expected and engine.ahead.counts.delivered >= 23
         engine.end_session("f")
         await wait_blocks_free(verifier)
     finally:
@@ -157,7 +157,7 @@ async def test_sampled_sessions_do_not_decode_ahead(tokenizer) -> None:
         prompt_ids = tokenizer(PROMPTS[0])["input_ids"]
         await engine.start_session("r", prompt_ids, SamplingParams(temperature=1.0, seed=1), max_new_tokens=24).future
         await asyncio.sleep(0.3)
-        assert len(engine.sessions["r"].seq.token_ids) == len(prompt_ids) + 1 and engine.num_ahead_decoded == 0
+        assert len(engine.sessions["r"].seq.token_ids) == len(prompt_ids) + 1 and engine.ahead.counts.decoded == 0
         reply = await engine.verify("r", [], None).future
         assert len(reply.token_ids) == 1
         engine.end_session("r")
@@ -174,17 +174,17 @@ async def test_an_ahead_step_gives_way_and_decoding_stays_exact(tokenizer) -> No
     try:
         prompt_ids = tokenizer(PROMPTS[3])["input_ids"]
         n = len(prompt_ids)
-        engine.max_ahead_tokens = 0            # nothing ahead before the flag below is up
+        engine.ahead.max_tokens = 0            # nothing ahead before the flag below is up
         output = list((await engine.start_session("i", prompt_ids, SamplingParams(), max_new_tokens=12).future)
                       .token_ids)
         engine._urgent = True                  # as if a verify needing a forward had just arrived, until one does
-        engine.max_ahead_tokens = 3
+        engine.ahead.max_tokens = 3
         engine.post(None)                      # wake the engine thread (no message: the flag stays up)
         await asyncio.sleep(0.3)
         interrupted = engine.metrics.registry.get_sample_value("specmesh_verifier_ahead_tokens_total",
                                                                {"outcome": "interrupted"})
         assert interrupted and interrupted > 0
-        assert engine.num_ahead_decoded == 0 and len(engine.sessions["i"].seq.token_ids) == n + 1
+        assert engine.ahead.counts.decoded == 0 and len(engine.sessions["i"].seq.token_ids) == n + 1
         output += (await engine.verify("i", [], None).future).token_ids      # a message: the flag is down
         await wait_ahead(engine, "i", n + len(output) + 1)                     # and decoding ahead resumes
         while len(output) < 12:

@@ -11,7 +11,7 @@ path's KV is moved to contiguous positions (`ModelRunner.move_kv`), and the usua
 block manager sees exactly what a chain verify would leave.
 
 Decoding ahead (`verifier_service/ahead.py`): when no verify is waiting, idle greedy sessions decode the target's
-own next tokens, up to `max_ahead_tokens` past what the caller has received (`Session.num_delivered`). Those tokens
+own next tokens, up to `ahead.max_tokens` past what the caller has received (`Session.num_delivered`). Those tokens
 join `token_ids` like any verified token (they are exactly what target-only greedy decoding emits); the next verify
 checks its drafts against them first and leaves with all of them, so the target never waits for a draft.
 """
@@ -39,25 +39,12 @@ from specmesh.telemetry.metrics import StatsCollector
 from specmesh.tree import keep_shallow
 from specmesh.tree_rejection import tree_rejection_sample, verify_tree_greedy
 from verifier_service.ahead import match_ahead
-from verifier_service.ahead_guess import GuessRate, best_num_guesses, guess
+from verifier_service.decode_ahead import DecodeAhead
 from verifier_service.forward_cost import UNKNOWN as UNKNOWN_COST
 from verifier_service.forward_cost import Fit, ForwardCost
+from verifier_service.session import Session
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Session:
-    session_id: str
-    seq: SeqState
-    params: SamplingParams
-    generator: torch.Generator
-    max_len: int                 # prompt + max_new_tokens: no token past it is decoded ahead
-    busy: bool = False           # a request of this session is queued or running
-    started: bool = False        # its first token was sampled
-    num_delivered: int = 0       # token_ids[:num_delivered] were sent to the caller; the rest were decoded ahead
-    drafting: bool = False       # its last verify carried drafts (its caller is likely drafting now)
-    guess_rate: GuessRate = dataclasses.field(default_factory=GuessRate)   # of its ahead steps' guesses
 
 
 @dataclass(frozen=True)
@@ -129,26 +116,14 @@ class VerifierEngine(BatchedEngine):
                  max_ahead_tokens: int = 0, eos_token_ids: Iterable[int] = ()) -> None:
         super().__init__("verifier-engine", runner, block_manager, max_num_batched_tokens, max_num_seqs, num_threads)
         self.max_model_len = max_model_len
-        self.max_ahead_tokens = max_ahead_tokens   # 0: never decode ahead
-        self.ahead_threads = 0                     # torch threads of a step that only decodes ahead; 0 = as any step
-        self.ahead_guesses = False                 # ahead steps carry prompt-lookup guesses (ahead_guess.py)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.ahead = DecodeAhead(max_ahead_tokens, max_model_len, self.eos_token_ids)   # idle greedy sessions
+        self.metrics.registry.register(StatsCollector({"verifier": self.ahead.counts.stats}))
         self._ahead_beside_drafts = False          # the step only decodes ahead, for a session that drafts
         self._ahead_stalled = False                # the last ahead step could run none: wait for a message
         # Set from the event loop when a message that needs a forward arrives: a step that only decodes ahead then
         # gives way between layers (see interrupt_check).
         self._urgent = False
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.num_ahead_decoded = 0                 # tokens decoded ahead
-        self.num_ahead_delivered = 0               # of them, the ones a caller received
-        self.num_ahead_interrupted = 0             # ahead steps that gave way to a verify
-        self.num_ahead_guessed = 0                 # prompt-lookup guesses run in ahead steps
-        self.num_ahead_guesses_accepted = 0        # of them, the ones equal to the target's tokens
-        # exported as specmesh_verifier_ahead_tokens_total{outcome=decoded|delivered|interrupted|guessed|
-        # guess_accepted}
-        self.metrics.registry.register(StatsCollector({"verifier": lambda: {
-            "ahead_decoded": self.num_ahead_decoded, "ahead_delivered": self.num_ahead_delivered,
-            "ahead_interrupted": self.num_ahead_interrupted, "ahead_guessed": self.num_ahead_guessed,
-            "ahead_guess_accepted": self.num_ahead_guesses_accepted}}))
         self.forward_cost = ForwardCost()           # what one more token costs a forward, reported with verdicts
         self.max_queue_len = max_queue_len
         self.max_num_sessions = max_num_seqs * 4
@@ -246,7 +221,7 @@ class VerifierEngine(BatchedEngine):
         # last one. Greedy verification reads no draft probabilities, so none are passed on.
         match = match_ahead(ahead_ids, msg.draft_ids, msg.draft_parents)
         if match.resolved:
-            self._deliver(session, len(ahead_ids))
+            self.ahead.delivered(session, len(ahead_ids))
             msg.done.set_result(VerifyResult(ahead_ids, len(match.path), tuple(match.path),
                                               num_batch_tokens=0, num_waiting=self.scheduler.num_waiting,
                                               cost=self.forward_cost.fit(self.num_threads)))
@@ -298,7 +273,7 @@ class VerifierEngine(BatchedEngine):
         ahead = [] if self.scheduler.num_waiting else self._ahead_sessions()
         self._ahead_beside_drafts = any(s.drafting for s in ahead)
         requests = [ForwardRequest(s.seq, g, len(g) + 1, (s, _AHEAD_STEP, _NO_CALLER))
-                    for s, g in zip(ahead, self._guesses(ahead), strict=True)]
+                    for s, g in zip(ahead, self.ahead.guesses_for(ahead, self._ahead_fit(ahead)), strict=True)]
         for request in requests:                    # (not `busy`: a verify arriving next finds none of them)
             self.scheduler.enqueue(request)
         try:
@@ -308,6 +283,9 @@ class VerifierEngine(BatchedEngine):
             # none could run: wait for the next message rather than spin on them
             self._ahead_stalled = bool(requests) and len(unscheduled) == len(requests)
 
+    def _ahead_fit(self, ahead: list[Session]) -> Fit:
+        return self.forward_cost.fit(self.threads_for(len(ahead)))
+
     def interrupt_check(self, batch: list[ScheduledItem]) -> Callable[[], bool] | None:
         """A step that only decodes ahead gives way to a start or a verify that needs a forward."""
         if not batch or not all(item.request.payload[1].is_ahead_step for item in batch):
@@ -316,51 +294,17 @@ class VerifierEngine(BatchedEngine):
 
     def interrupted(self, request: ForwardRequest) -> None:
         """Only steps that decode ahead give way: nobody waits for them; the token is simply not decoded yet."""
-        self.num_ahead_interrupted += 1
+        self.ahead.counts.interrupted += 1
 
     def threads_for(self, num_tokens: int) -> int:
-        """A step that only decodes ahead while a draft is being made runs on `ahead_threads` (when set): on a host
+        """A step that only decodes ahead while a draft is being made runs on `ahead.threads` (when set): on a host
         shared with the draft service, the draft's core stays free while the verifier merely gets ahead."""
-        if self._ahead_beside_drafts and self.ahead_threads > 0:
-            return self.ahead_threads
+        if self._ahead_beside_drafts and self.ahead.threads > 0:
+            return self.ahead.threads
         return super().threads_for(num_tokens)
 
     def _ahead_sessions(self) -> list[Session]:
-        """Sessions that may decode one more token ahead now: greedy, idle, KV up to date, under the ahead limit and
-        their token budget, last token not an end of sequence. Never more than the free KV blocks allow without
-        preempting anybody (a quarter of the pool stays free for verifies)."""
-        if self.max_ahead_tokens <= 0:
-            return []
-        bm = self.block_manager
-        room = bm.num_free_blocks - bm.num_blocks // 4
-        out: list[Session] = []
-        for s in self.sessions.values():
-            seq, n = s.seq, len(s.seq.token_ids)
-            if room <= 0:
-                break
-            if (s.started and not s.busy and s.params.is_greedy and seq.allocated and seq.num_computed == n - 1
-                    and n - s.num_delivered < self.max_ahead_tokens and n < min(s.max_len, self.max_model_len)
-                    and seq.token_ids[-1] not in self.eos_token_ids):
-                out.append(s)
-                room -= bm.num_blocks_needed(n) - len(bm.block_table(seq.seq_id))
-        return out
-
-    def _guesses(self, ahead: list[Session]) -> list[list[int]]:
-        """Prompt-lookup guesses per ahead session, as many as pay at the forward's measured cost (ahead_guess.py);
-        only for sessions whose caller drafts, never past the ahead limit or the session's length."""
-        out: list[list[int]] = []
-        fit = self.forward_cost.fit(self.threads_for(len(ahead)))
-        num_rows = len(ahead)
-        for s in ahead:
-            room = self._guess_room(s) if self.ahead_guesses and s.drafting else 0
-            g = best_num_guesses(s.guess_rate.rate, fit, num_rows, room)
-            out.append(guess(s.seq.token_ids, g, self.eos_token_ids) if g else [])
-            num_rows += len(out[-1])
-        return out
-
-    def _guess_room(self, s: Session) -> int:
-        n = len(s.seq.token_ids)
-        return min(self.max_ahead_tokens - (n - s.num_delivered), min(s.max_len, self.max_model_len) - n) - 1
+        return self.ahead.sessions(self.sessions.values(), self.block_manager)
 
     def _forward_item(self, item: ScheduledItem) -> ForwardItem:
         forward_item = super()._forward_item(item)
@@ -381,10 +325,7 @@ class VerifierEngine(BatchedEngine):
         if drafts.is_ahead_step:             # the pending token's next token, after any guesses it confirms
             emitted = greedy_accept(self.argmax_rows(req), req.extra_ids)
             self._commit(session, emitted, len(emitted) - 1)
-            self.num_ahead_decoded += len(emitted)
-            self.num_ahead_guessed += len(req.extra_ids)
-            self.num_ahead_guesses_accepted += len(emitted) - 1
-            session.guess_rate.observe(len(req.extra_ids), len(emitted) - 1)
+            self.ahead.decoded(session, len(req.extra_ids), len(emitted) - 1)
             return
         if drafts.parents is None:
             emitted = self._sample(req, session, logits, drafts.dists)
@@ -399,7 +340,7 @@ class VerifierEngine(BatchedEngine):
         session.started = True
         first_new = session.num_delivered
         self._commit(session, emitted, len(emitted) - 1)
-        self._deliver(session, len(drafts.ahead_path))
+        self.ahead.delivered(session, len(drafts.ahead_path))
         path = list(drafts.ahead_path) + accepted
         done.set_result(VerifyResult(seq.token_ids[first_new:], len(path), tuple(path), num_cached,
                                      self.num_batch_tokens, self.scheduler.num_waiting,
@@ -413,11 +354,6 @@ class VerifierEngine(BatchedEngine):
         seq.num_verified = len(seq.token_ids)
         self.scheduler.commit(seq)
         session.busy = False
-
-    def _deliver(self, session: Session, num_ahead: int) -> None:
-        """Every token of the session goes to the caller now, `num_ahead` of them decoded ahead."""
-        self.num_ahead_delivered += num_ahead
-        session.num_delivered = len(session.seq.token_ids)
 
     def _keep_path(self, seq: SeqState, accepted: list[int]) -> None:
         """Move the accepted nodes' KV from the slots of their tree index to contiguous positions.

@@ -25,8 +25,8 @@ def build_verifier(config: VerifierConfig) -> tuple[ServiceServer, VerifierEngin
                             config.engine.max_queue_len, config.engine.num_threads, config.decode_ahead_tokens,
                             parts.loaded.eos_token_ids)
     engine.set_thread_policy(config.engine.num_threads_max, config.engine.max_threads_min_tokens)
-    engine.ahead_threads = config.decode_ahead_threads
-    engine.ahead_guesses = config.decode_ahead_guesses
+    engine.ahead.threads = config.decode_ahead_threads
+    engine.ahead.guesses = config.decode_ahead_guesses
     leases = SessionLeases(config.session_lease_s)
     servicer = VerifierServicer(engine, parts.loaded.name, parts.loaded.model.config.vocab_size,
                                 parts.loaded.eos_token_ids, leases, config.max_draft_tokens)

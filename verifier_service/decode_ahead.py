@@ -1,0 +1,86 @@
+"""Decoding ahead, the verifier's idle work, on plain ints: which sessions decode ahead in a step, the guesses each
+carries, and the counts. The engine runs the forward (verifier_service/engine.py); what a verify does with the
+tokens decoded ahead is verifier_service/ahead.py; how many guesses pay is verifier_service/ahead_guess.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from specmesh.engine.block_manager import BlockManager
+from verifier_service.ahead_guess import best_num_guesses, guess
+from verifier_service.forward_cost import Fit
+from verifier_service.session import Session
+
+
+@dataclass
+class AheadCounts:
+    """Exported as specmesh_verifier_ahead_tokens_total{outcome=<field>}."""
+
+    decoded: int = 0             # tokens decoded ahead
+    delivered: int = 0           # of them, the ones a caller received
+    interrupted: int = 0         # ahead steps that gave way to a verify
+    guessed: int = 0             # prompt-lookup guesses run in ahead steps
+    guess_accepted: int = 0      # of them, the ones equal to the target's tokens
+
+    def stats(self) -> dict[str, int]:
+        return {f"ahead_{name}": value for name, value in dataclasses.asdict(self).items()}
+
+
+class DecodeAhead:
+    def __init__(self, max_tokens: int, max_model_len: int, eos_token_ids: frozenset[int]) -> None:
+        self.max_tokens = max_tokens     # past what the caller received; 0: never decode ahead
+        self.threads = 0                 # torch threads of a step that only decodes ahead; 0 = as any step
+        self.guesses = False             # steps carry prompt-lookup guesses (ahead_guess.py)
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.counts = AheadCounts()
+
+    def sessions(self, sessions: Iterable[Session], block_manager: BlockManager) -> list[Session]:
+        """Sessions that may decode one more token ahead now: greedy, idle, KV up to date, under the ahead limit and
+        their token budget, last token not an end of sequence. Never more than the free KV blocks allow without
+        preempting anybody (a quarter of the pool stays free for verifies)."""
+        if self.max_tokens <= 0:
+            return []
+        bm = block_manager
+        room = bm.num_free_blocks - bm.num_blocks // 4
+        out: list[Session] = []
+        for s in sessions:
+            seq, n = s.seq, len(s.seq.token_ids)
+            if room <= 0:
+                break
+            if (s.started and not s.busy and s.params.is_greedy and seq.allocated and seq.num_computed == n - 1
+                    and n - s.num_delivered < self.max_tokens and n < min(s.max_len, self.max_model_len)
+                    and seq.token_ids[-1] not in self.eos_token_ids):
+                out.append(s)
+                room -= bm.num_blocks_needed(n) - len(bm.block_table(seq.seq_id))
+        return out
+
+    def guesses_for(self, ahead: list[Session], fit: Fit) -> list[list[int]]:
+        """Prompt-lookup guesses per ahead session, as many as pay at the forward's measured cost `fit`; only for
+        sessions whose caller drafts, never past the ahead limit or the session's length."""
+        out: list[list[int]] = []
+        num_rows = len(ahead)
+        for s in ahead:
+            g = best_num_guesses(s.guess_rate.rate, fit, num_rows, self._room(s)) if self.guesses and s.drafting else 0
+            out.append(guess(s.seq.token_ids, g, self.eos_token_ids) if g else [])
+            num_rows += len(out[-1])
+        return out
+
+    def _room(self, s: Session) -> int:
+        n = len(s.seq.token_ids)
+        return min(self.max_tokens - (n - s.num_delivered), min(s.max_len, self.max_model_len) - n) - 1
+
+    def decoded(self, session: Session, num_guessed: int, num_accepted: int) -> None:
+        """An ahead step committed num_accepted of its num_guessed guesses and the target's next token."""
+        self.counts.decoded += num_accepted + 1
+        self.counts.guessed += num_guessed
+        self.counts.guess_accepted += num_accepted
+        session.guess_rate.observe(num_guessed, num_accepted)
+
+    def delivered(self, session: Session, num_ahead: int) -> None:
+        """Every token of the session goes to the caller now, `num_ahead` of them decoded ahead."""
+        self.counts.delivered += num_ahead
+        session.num_delivered = len(session.seq.token_ids)

@@ -1,0 +1,25 @@
+"""A verifier session's state: plain ints beside its sampling state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specmesh.engine.scheduler import SeqState
+from specmesh.sampling import SamplingParams
+from verifier_service.ahead_guess import GuessRate
+
+
+@dataclass
+class Session:
+    session_id: str
+    seq: SeqState
+    params: SamplingParams
+    generator: torch.Generator
+    max_len: int                 # prompt + max_new_tokens: no token past it is decoded ahead
+    busy: bool = False           # a request of this session is queued or running
+    started: bool = False        # its first token was sampled
+    num_delivered: int = 0       # token_ids[:num_delivered] were sent to the caller; the rest were decoded ahead
+    drafting: bool = False       # its last verify carried drafts (its caller is likely drafting now)
+    guess_rate: GuessRate = field(default_factory=GuessRate)   # of its ahead steps' guesses
