@@ -12,6 +12,10 @@ Draft-ahead: after answering with k tokens the session keeps drafting `lookahead
 all k are accepted and the target's extra token equals the draft's own next guess. If the next verified context is
 a prefix of the tail, the already-drafted tokens are served without waiting for the model; otherwise they are
 discarded (stale). Tail tokens carry the q they were sampled from, so sampled drafts stay exact.
+
+Guesses (greedy sessions, `guesses`): a draft forward also runs prompt-lookup guesses of the next tokens in its free
+rows (specmesh/guesses.py, priced by the draft's own forward cost); every guess equal to the draft's argmax is a
+draft token without a forward of its own, so on repetitive text one forward drafts several tokens.
 """
 
 from __future__ import annotations
@@ -27,12 +31,16 @@ import torch
 
 from draft_service.session_sync import place_delta, plan_sync
 from specmesh.engine.batched import BatchedEngine
+from specmesh.engine.batched_rejection import greedy_accept
 from specmesh.engine.block_manager import BlockManager
+from specmesh.engine.forward_cost import ForwardCost
 from specmesh.engine.loop import Completion, EngineError
 from specmesh.engine.model_runner import ModelRunner
 from specmesh.engine.scheduler import ForwardRequest, SeqState
+from specmesh.guesses import GuessRate, best_num_guesses, guess
 from specmesh.rejection import SparseDist
 from specmesh.sampling import SamplingParams, logits_to_probs, make_generator, sample_sparse, sparsify
+from specmesh.telemetry.metrics import StatsCollector
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +55,7 @@ class DraftSession:
     tail_dists: list[SparseDist | None] = field(default_factory=list)   # q of each tail token (None: greedy)
     tail_alts: list[Alternatives] = field(default_factory=list)          # tree siblings of each tail token
     ahead: ForwardRequest | None = None                                  # background drafting in the queue
+    guess_rate: GuessRate = field(default_factory=GuessRate)             # of its forwards' prompt-lookup guesses
 
 
 @dataclass(frozen=True)
@@ -131,9 +140,16 @@ class DraftEngine(BatchedEngine):
 
     def __init__(self, runner: ModelRunner, block_manager: BlockManager, max_model_len: int,
                  max_num_batched_tokens: int, max_num_seqs: int, max_queue_len: int, num_threads: int,
-                 draft_ahead: bool = True) -> None:
+                 draft_ahead: bool = True, guesses: bool = False) -> None:
         super().__init__("draft-engine", runner, block_manager, max_num_batched_tokens, max_num_seqs, num_threads)
         self.draft_ahead = draft_ahead
+        self.guesses = guesses         # greedy draft forwards carry prompt-lookup guesses (specmesh/guesses.py)
+        self.forward_cost = ForwardCost()
+        self.num_guessed = 0           # guesses run in draft forwards
+        self.num_guesses_accepted = 0  # of them, the ones equal to the draft's argmax (drafts without a forward)
+        # exported as specmesh_draft_guessed_total / specmesh_draft_guess_accepted_total
+        self.metrics.registry.register(StatsCollector({"draft": lambda: {
+            "guessed": self.num_guessed, "guess_accepted": self.num_guesses_accepted}}))
         self.num_ahead_hits = 0        # proposals answered (partly) from drafted-ahead tokens
         self.num_resets = 0            # sessions started over because a call rewrote verified tokens
         self.max_model_len = max_model_len
@@ -262,25 +278,49 @@ class DraftEngine(BatchedEngine):
             session.ahead = None
 
     def _enqueue(self, proposal: Proposal) -> None:
-        request = ForwardRequest(proposal.session.seq, [], 1, proposal)
+        guesses = self._guesses(proposal)
+        request = ForwardRequest(proposal.session.seq, guesses, len(guesses) + 1, proposal)
         self.scheduler.enqueue(request)
         proposal.session.ahead = request if proposal.answered else None
+
+    def _guesses(self, proposal: Proposal) -> list[int]:
+        """Guesses of the tokens after the session's last one (greedy only: a sampled draft token must be drawn
+        from its q), as many as pay at the draft's measured forward cost, within the tokens still to draft."""
+        session = proposal.session
+        room = proposal.num_total_tokens - len(session.tail_dists) - 1
+        if not self.guesses or not proposal.params.is_greedy or room <= 0:
+            return []
+        g = best_num_guesses(session.guess_rate.rate, self.forward_cost.fit(self.threads_for(1)), 1, room)
+        return guess(session.seq.token_ids, g, ()) if g else []
 
     def idle_seqs(self) -> Iterable[SeqState]:
         return (s.seq for s in self.sessions.values() if not s.busy)
 
+    def finish_batch(self, requests: list[ForwardRequest], logits: torch.Tensor) -> None:
+        if not self.forward_prefills:         # decode-sized forwards only (see forward_cost)
+            self.forward_cost.observe(self.num_batch_tokens, self.forward_threads, self.forward_s)
+        super().finish_batch(requests, logits)
+
     def finish(self, request: ForwardRequest, logits: torch.Tensor) -> None:
-        """logits [1, V] for the position after the session's last token."""
+        """logits [1 + g, V] for the position after the session's last token and after each of its g guesses."""
         proposal: Proposal = request.payload
         session = proposal.session
         session.ahead = None
         seq = session.seq
-        seq.num_computed = len(seq.token_ids)
+        if request.extra_ids:                 # greedy: the guesses equal to the argmax, then the argmax after them
+            tokens = greedy_accept(self.argmax_rows(request), request.extra_ids)
+            dists: list[SparseDist | None] = [None] * len(tokens)
+            self.num_guessed += len(request.extra_ids)
+            self.num_guesses_accepted += len(tokens) - 1
+        else:
+            token, dist = self._sample(proposal, logits)
+            tokens, dists = [token], [dist]
+        session.guess_rate.observe(len(request.extra_ids), len(tokens) - 1)
+        seq.num_computed = len(seq.token_ids) + len(tokens) - 1      # the pending token and the accepted guesses
+        seq.token_ids.extend(tokens)
         self.scheduler.commit(seq)
-        token, dist = self._sample(proposal, logits)
-        seq.token_ids.append(token)
-        session.tail_dists.append(dist)
-        session.tail_alts.append(pick_alternatives(logits[0], proposal, token))
+        session.tail_dists.extend(dists)
+        session.tail_alts.extend(pick_alternatives(logits[i], proposal, t) for i, t in enumerate(tokens))
         self._answer_if_ready(proposal)
         if len(session.tail_dists) < proposal.num_total_tokens:
             self._enqueue(proposal)

@@ -20,7 +20,8 @@ def build_draft(config: DraftConfig) -> tuple[ServiceServer, DraftEngine]:
     parts = build_engine_parts(config.engine, head_vocab=config.head_vocab)
     engine = DraftEngine(parts.runner, parts.block_manager, parts.max_model_len,
                          config.engine.max_num_batched_tokens, config.engine.max_num_seqs,
-                         config.engine.max_queue_len, config.engine.num_threads, config.draft_ahead)
+                         config.engine.max_queue_len, config.engine.num_threads, config.draft_ahead,
+                         config.guesses)
     leases = SessionLeases(config.session_lease_s)
     servicer = DraftServicer(engine, parts.loaded.model.config.vocab_size, config.max_draft_tokens,
                              config.max_q_entries, leases)

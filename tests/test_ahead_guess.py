@@ -1,4 +1,4 @@
-"""Guesses in decode-ahead steps (verifier_service/ahead_guess.py): the verifier fills an ahead forward's free rows
+"""Guesses in decode-ahead steps (specmesh/guesses.py): the verifier fills an ahead forward's free rows
 with prompt-lookup guesses for sessions that draft, and commits the ones the target confirms.
 
 - On plain ints: how many tokens a forward may take at its measured cost, how rows are shared, guesses stop before
@@ -14,20 +14,20 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
+from specmesh.engine.forward_cost import UNKNOWN, Fit
+from specmesh.guesses import MAX_GUESSES, GuessRate, best_num_guesses, guess
 from specmesh.models import resolve_model_dir
 from specmesh.sampling import SamplingParams
 from tests.stack import start_verifier
 from tests.test_decode_ahead import target_only, wait_ahead
 from tests.test_e2e_greedy import PROMPTS, wait_blocks_free
-from verifier_service.ahead_guess import MAX_GUESSES, GuessRate, best_num_guesses, guess
-from verifier_service.forward_cost import UNKNOWN, Fit
 
 X = 99
 
 
 def test_guesses_are_priced_like_a_draft_length() -> None:
     vnni, avx2 = Fit(0.18, 1, 1.0), Fit(0.4, 4, 1.0)        # Zen 4 (~9 ms a token on 50) / Zen 3 (100 ms to 4 rows)
-    assert best_num_guesses(0.5, UNKNOWN, 1, 7) == 0          # unmeasured cost: no guesses
+    assert best_num_guesses(0.5, UNKNOWN, 1, 7) == 1          # unmeasured: a quarter of a forward per row
     assert best_num_guesses(0.5, vnni, 1, 7) == 2             # 1.75 tokens for 1.36 forwards beats 1.5 for 1.18
     assert best_num_guesses(0.9, vnni, 1, 7) == 7             # a session whose guesses hit takes the most
     assert best_num_guesses(0.1, vnni, 1, 7) == 0             # and one whose guesses miss none

@@ -17,8 +17,8 @@ from gateway.suffix_choice import LOCAL, NONE, ProposerChoice
 from gateway.suffix_tree import Proposal
 from gateway.verify_cost import VerifyCost
 from protos.specmesh.v1 import verifier_pb2, verifier_pb2_grpc
+from specmesh.engine.forward_cost import MAX_TOKENS, ForwardCost
 from tests.stack import Running, start_verifier
-from verifier_service.forward_cost import MAX_TOKENS, ForwardCost
 
 
 def feed(cost: ForwardCost, one_token_s: float, token_cost: float, threads: int = 1, rounds: int = 40) -> None:

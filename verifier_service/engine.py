@@ -30,6 +30,8 @@ from opentelemetry.trace import SpanContext
 from specmesh.engine.batched import BatchedEngine
 from specmesh.engine.batched_rejection import greedy_accept
 from specmesh.engine.block_manager import BlockManager
+from specmesh.engine.forward_cost import UNKNOWN as UNKNOWN_COST
+from specmesh.engine.forward_cost import Fit, ForwardCost
 from specmesh.engine.loop import Completion, EngineError
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
 from specmesh.engine.scheduler import ForwardRequest, ScheduledItem, SeqState
@@ -40,8 +42,6 @@ from specmesh.tree import keep_shallow
 from specmesh.tree_rejection import tree_rejection_sample, verify_tree_greedy
 from verifier_service.ahead import match_ahead
 from verifier_service.decode_ahead import DecodeAhead
-from verifier_service.forward_cost import UNKNOWN as UNKNOWN_COST
-from verifier_service.forward_cost import Fit, ForwardCost
 from verifier_service.session import Session
 
 log = logging.getLogger(__name__)

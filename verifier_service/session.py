@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specmesh.engine.scheduler import SeqState
+from specmesh.guesses import GuessRate
 from specmesh.sampling import SamplingParams
-from verifier_service.ahead_guess import GuessRate
 
 
 @dataclass

@@ -1,18 +1,21 @@
-"""Guesses in a decode-ahead step: the verifier speculates on its own while it waits for drafts.
+"""Prompt-lookup guesses in a forward's free rows: an engine speculates on its own while it runs one token anyway.
 
-A step that decodes ahead runs one token per session (the pending token), so on a CPU whose kernel streams the
-weights once for a few rows it leaves rows nearly free: Qwen2.5-1.5B int4 on one core, 100 ms for 1 to 4 tokens on
-an AVX2 Zen 3, 50 ms for 1 token and ~9 ms per further token on a Zen 4 with AVX-512 VNNI. Those rows carry
-prompt-lookup guesses (`specmesh/ngram.py`: what followed the context's last n-gram earlier in the same context),
-checked greedily in the same forward: every guess equal to the target's argmax is a token the target would have
-emitted, and the step commits it with the target's own next token, so decoding ahead moves several tokens per
-forward on repetitive text (code edits, quotes, lists) and output stays exactly target-only greedy.
+A forward that decodes one token per sequence leaves rows nearly free on a CPU whose kernel streams the weights once
+for a few rows: Qwen2.5-1.5B int4 on one core, 100 ms for 1 to 4 tokens on an AVX2 Zen 3, 50 ms for 1 token and
+~9 ms per further token on a Zen 4 with AVX-512 VNNI; the 0.5B draft there 19.5 ms for 1 token, 26 for 4. Those rows
+carry prompt-lookup guesses (`specmesh/ngram.py`: what followed the context's last n-gram earlier in the same
+context), checked greedily in the same forward: every guess equal to the model's argmax is a token the model would
+have emitted next, so the forward moves several tokens on repetitive text (code edits, quotes, lists) and the
+output is exactly one-token-at-a-time greedy's. Two engines use them: the verifier while it decodes ahead
+(verifier_service/decode_ahead.py: the target's tokens, exact) and the draft service while it drafts
+(draft_service/engine.py: more drafts per draft forward).
 
-How many guesses a session's step carries is priced like a draft length: with a the guesses' acceptance rate (each
-one given the ones before it, `GuessRate`, per session) and t(n) = 1 + token_cost * max(0, n - F) the forward's cost
-in one-token forwards (the verifier's own measure, `forward_cost.Fit`), g guesses yield 1 + a + ... + a^g tokens for
-t(rows + g) / t(rows); the step takes the g with the most tokens per cost. Unmeasured cost: none. Only sessions whose
-caller drafts get guesses: a target-only request (no drafts) stays plain target decoding.
+How many guesses a forward carries is priced like a draft length: with a the guesses' acceptance rate (each one
+given the ones before it, `GuessRate`, per session) and t(n) = 1 + token_cost * max(0, n - F) the forward's cost in
+one-token forwards (the engine's own measure, `specmesh/engine/forward_cost.py`), g guesses yield
+1 + a + ... + a^g tokens for t(rows + g) / t(rows); the engine takes the g with the most tokens per cost.
+Until the cost is measured, an extra row is priced at a quarter of a forward (`PRIOR_FIT`): the guesses' own forwards
+then give the measure its spread in size.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from specmesh.engine.forward_cost import UNKNOWN, Fit
 from specmesh.ngram import propose_ngram
-from verifier_service.forward_cost import UNKNOWN, Fit
 
 MAX_GUESSES = 7            # guesses per session and step (at most what the ahead limit leaves)
 NGRAM_SIZES = (4, 3, 2)    # tail n-grams looked up, longest first
 DECAY = 0.9                # weight old counts keep per ahead step (memory ~10 steps)
 PRIOR_HITS, PRIOR_TRIES = 1.0, 2.0
+PRIOR_FIT = Fit(0.25, 1, 0.0)   # the cost of an extra row until measured (compute-bound AVX2 Zen 1: ~0.45)
 
 
 @dataclass
@@ -54,8 +58,10 @@ class GuessRate:
 def best_num_guesses(rate: float, fit: Fit, num_rows: int, max_guesses: int) -> int:
     """The g <= max_guesses with the most expected tokens per cost when the forward already runs num_rows tokens
     (this session's pending token included)."""
-    if fit == UNKNOWN or max_guesses <= 0:
+    if max_guesses <= 0:
         return 0
+    if fit == UNKNOWN:
+        fit = PRIOR_FIT
 
     def cost(n: int) -> float:
         return 1.0 + fit.token_cost * max(0, n - fit.free_tokens)
