@@ -109,9 +109,11 @@ async def test_a_target_only_session_gets_no_guesses(tokenizer) -> None:
     engine.forward_cost.fit = lambda num_threads: Fit(0.0, 8, 0.0)
     try:
         prompt_ids = tokenizer(PROMPTS[3])["input_ids"]
+        n = len(prompt_ids)
         output = list((await engine.start_session("t", prompt_ids, SamplingParams(), max_new_tokens=30)
                        .future).token_ids)
         while len(output) < 30:
+            await wait_ahead(engine, "t", min(n + len(output) + 1, n + 30))     # idle steps decode ahead, unguessed
             output += (await engine.verify("t", [], None).future).token_ids
         assert engine.ahead.counts.guessed == 0 and engine.ahead.counts.decoded > 0
         engine.end_session("t")
