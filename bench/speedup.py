@@ -63,16 +63,16 @@ from bench.hf_peer import HF_MODES, hf_phase, hf_summaries
 from bench.speedup_arms import (
     ARM_DRAFT_ENV,
     ARM_ENV,
-    ARM_K,
     BASE_ENV,
     DEFAULT_ARMS,
     LAYOUTS,
     REPEAT_ARMS,
     STACK_ARMS,
     Layout,
+    arm_k,
     cpu_list,
     gateway_fields,
-    missing_features,
+    layout_arms,
     prompt_cap,
     run_key,
 )
@@ -159,8 +159,7 @@ def select_prompts(args: argparse.Namespace, length: int) -> list[Prompt]:
 async def run_arm(arm: str, addr: str, prompt: Prompt, max_new_tokens: int,
                   args: argparse.Namespace) -> list[RequestResult]:
     """One arm on one prompt; the REPEAT_ARMS ask repeated (FAQ) prompts `repeat` times under one tenant."""
-    k = 0 if arm == "target" else ARM_K.get(arm) or (args.adaptive_max_k if arm.startswith("adaptive")
-                                                     else args.num_draft_tokens)
+    k = arm_k(arm, args.num_draft_tokens, args.adaptive_max_k)
     asks = prompt.repeat if arm in REPEAT_ARMS else 1
     asks = min(asks, args.max_repeats) if args.max_repeats else asks
     tenant = fresh_tenant()
@@ -170,17 +169,6 @@ async def run_arm(arm: str, addr: str, prompt: Prompt, max_new_tokens: int,
                                                      prompt.system, prompt.repeat)
         out.append(await timed_request(addr, make_request(ask_prompt, max_new_tokens, k), ask_prompt, arm, tenant))
     return out
-
-
-def layout_arms(args: argparse.Namespace, layout: str, fields: set[str]) -> tuple[list[str], dict[str, list[str]]]:
-    """Arms to run in a layout (target first) and the n/a ones with their missing GatewayConfig fields."""
-    wanted = split_csv(args.b_arms if layout == "b" and args.b_arms else args.arms)
-    arms = ["target"] + [a for a in wanted if a != "target"]
-    unknown = set(arms) - set(STACK_ARMS)
-    if unknown:
-        raise SystemExit(f"unknown arm(s) {sorted(unknown)}; choose from {STACK_ARMS}")
-    na = {a: missing for a in arms if (missing := missing_features(a, fields))}
-    return [a for a in arms if a not in na], na
 
 
 async def stack_phase(args: argparse.Namespace, layout: Layout, arms: list[str],
@@ -349,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: dict[str, Results] = {}
     not_run: dict[str, dict[str, list[str]]] = {}
     for layout in layouts:
-        arms, na = layout_arms(args, layout.name, fields)
+        arms, na = layout_arms(split_csv(args.b_arms if layout.name == "b" and args.b_arms else args.arms), fields)
         not_run[layout.name] = na
         for arm, missing in na.items():
             log(f"layout {layout.name}: arm {arm} n/a (GatewayConfig lacks {', '.join(missing)}): not run")

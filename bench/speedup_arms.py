@@ -58,6 +58,24 @@ def missing_features(arm: str, config_fields: set[str]) -> list[str]:
     return [f for f in ARM_FEATURES.get(arm, ()) if f not in config_fields]
 
 
+def arm_k(arm: str, num_draft_tokens: int, adaptive_max_k: int) -> int:
+    """The draft length an arm's requests ask for: 0 for target-only, an ARM_K arm's own, the adaptive arms' cap,
+    else --num-draft-tokens."""
+    if arm == "target":
+        return 0
+    return ARM_K.get(arm) or (adaptive_max_k if arm.startswith("adaptive") else num_draft_tokens)
+
+
+def layout_arms(wanted: list[str], fields: set[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """Arms to run in a layout (target first) and the n/a ones with their missing GatewayConfig fields."""
+    arms = ["target"] + [a for a in wanted if a != "target"]
+    unknown = set(arms) - set(STACK_ARMS)
+    if unknown:
+        raise SystemExit(f"unknown arm(s) {sorted(unknown)}; choose from {STACK_ARMS}")
+    na = {a: missing for a in arms if (missing := missing_features(a, fields))}
+    return [a for a in arms if a not in na], na
+
+
 def gateway_fields() -> set[str]:
     """Field names of the gateway's config, as the services read their env from it."""
     from specmesh.config import GatewayConfig

@@ -30,7 +30,17 @@ from bench.soak_report import (
     tally,
     verdict,
 )
-from bench.speedup_arms import ARM_ENV, LAYOUTS, cpu_list, missing_features, parse_run_key, prompt_cap, run_key
+from bench.speedup_arms import (
+    ARM_ENV,
+    LAYOUTS,
+    arm_k,
+    cpu_list,
+    layout_arms,
+    missing_features,
+    parse_run_key,
+    prompt_cap,
+    run_key,
+)
 from bench.speedup_goals import format_goal, goals_for_length, greedy_goal, limiting_term, round_terms
 from bench.speedup_stats import analytic_speedup, pooled_acceptance, position_acceptance, speedups
 from gateway.verify_cost import VerifyCost
@@ -231,6 +241,15 @@ def test_soak_table_shouts_fatal_codes_and_the_verdict() -> None:
 
 
 # ------------------------------------------------------------------------------------------------- issue 14 bench
+def test_each_arm_asks_its_own_draft_length_and_target_runs_first() -> None:
+    assert arm_k("target", 3, 6) == 0 and arm_k("sequential", 3, 6) == 3 and arm_k("sequential-k4", 3, 6) == 4
+    assert arm_k("adaptive", 3, 6) == 6 and arm_k("adaptive-cold", 3, 6) == 6
+    arms, na = layout_arms(["all", "sequential", "target"], {"overlap"})
+    assert arms == ["target", "sequential"] and na == {"all": ["draft_tree_width", "suffix_drafting"]}
+    with pytest.raises(SystemExit, match="unknown arm"):
+        layout_arms(["sequentail"], set())
+
+
 def test_feature_arms_are_na_until_the_gateway_has_their_fields() -> None:
     assert missing_features("sequential", set()) == [] and missing_features("target", set()) == []
     assert missing_features("all", {"overlap"}) == ["draft_tree_width", "suffix_drafting"]
