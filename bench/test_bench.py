@@ -384,3 +384,11 @@ def test_cost_ratio_prices_the_draft_in_the_layouts_own_target_steps() -> None:
     c = speedup.cost_ratio(hf, [LAYOUTS["a"], LAYOUTS["b"]], summary)
     assert c == {"a": pytest.approx(0.5), "b": pytest.approx(0.6)}          # shortest length's target arm
     assert speedup.cost_ratio(hf, [LAYOUTS["a"]], {}) == {"a": pytest.approx(0.4)}   # no stack: in-process target
+
+
+def test_guess_gain_decodes_the_same_tokens_with_and_without_guesses(capsys) -> None:
+    from bench import guess_gain
+
+    assert guess_gain.main(["--preset", "tiny-target", "--dtype", "int8", "--max-new-tokens", "12", "--limit", "1",
+                            "--categories", "code,code-edit"]) == 0
+    assert "identical" in capsys.readouterr().out
