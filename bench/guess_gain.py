@@ -66,8 +66,12 @@ def decode(runner: ModelRunner, prompt_ids: list[int], max_new_tokens: int, eos_
 
 
 def prompt_ids(tokenizer, prompt: Prompt) -> list[int]:
-    messages = [{"role": role, "content": text} for role, text in prompt.messages]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    """The prompt as the gateway sends it: through the chat template where the tokenizer has one."""
+    text = prompt.prompt
+    if tokenizer.chat_template:
+        messages = [{"role": role, "content": content} for role, content in prompt.messages]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text)["input_ids"]
 
 
 def main(argv: list[str] | None = None) -> int:
