@@ -28,7 +28,8 @@ from specmesh.ngram import propose_ngram
 
 MAX_GUESSES = 7            # guesses per session and step (at most what the ahead limit leaves)
 NGRAM_SIZES = (4, 3, 2)    # tail n-grams looked up, longest first
-DECAY = 0.9                # weight old counts keep per ahead step (memory ~10 steps)
+DECAY = 0.9                # weight old counts keep per forward that guessed (memory ~10 guessing forwards)
+RELAX = 0.98               # ... per forward without guesses, drifting back toward the prior (memory ~50 forwards)
 PRIOR_HITS, PRIOR_TRIES = 1.0, 2.0
 PRIOR_FIT = Fit(0.25, 1, 0.0)   # the cost of an extra row until measured (compute-bound AVX2 Zen 1: ~0.45)
 
@@ -48,11 +49,11 @@ class GuessRate:
 
     def observe(self, num_guessed: int, num_accepted: int) -> None:
         if num_guessed:
-            hits, tries = num_accepted, num_accepted + (num_accepted < num_guessed)
-        else:
-            hits, tries = (1 - DECAY) * PRIOR_HITS, (1 - DECAY) * PRIOR_TRIES
-        self.hits = DECAY * self.hits + hits
-        self.tries = DECAY * self.tries + tries
+            self.hits = DECAY * self.hits + num_accepted
+            self.tries = DECAY * self.tries + num_accepted + (num_accepted < num_guessed)
+        else:            # slowly: text whose guesses missed (chat) rarely turns repetitive within a few tokens
+            self.hits = RELAX * self.hits + (1 - RELAX) * PRIOR_HITS
+            self.tries = RELAX * self.tries + (1 - RELAX) * PRIOR_TRIES
 
 
 def best_num_guesses(rate: float, fit: Fit, num_rows: int, max_guesses: int) -> int:
