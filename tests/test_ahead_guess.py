@@ -19,7 +19,7 @@ from specmesh.guesses import MAX_GUESSES, GuessRate, best_num_guesses, guess
 from specmesh.models import resolve_model_dir
 from specmesh.sampling import SamplingParams
 from tests.stack import start_verifier
-from tests.test_decode_ahead import target_only, wait_ahead
+from tests.test_decode_ahead import ahead_metric, target_only, wait_ahead
 from tests.test_e2e_greedy import PROMPTS, wait_blocks_free
 
 X = 99
@@ -96,9 +96,7 @@ async def test_guesses_decode_several_tokens_per_ahead_step_and_stay_exact(token
             output += (await engine.verify("g", [X], None).future).token_ids
         assert output[:max_new] == expected[:max_new]
         assert guessed_at and engine.ahead.counts.guessed > engine.ahead.counts.guess_accepted > len(guessed_at)
-        accepted = engine.metrics.registry.get_sample_value("specmesh_verifier_ahead_tokens_total",
-                                                            {"outcome": "guess_accepted"})
-        assert accepted == engine.ahead.counts.guess_accepted
+        assert ahead_metric(engine, "guess_accepted") == engine.ahead.counts.guess_accepted
         engine.end_session("g")
         await wait_blocks_free(verifier)
     finally:

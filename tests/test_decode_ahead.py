@@ -110,13 +110,16 @@ async def test_verifies_leave_with_the_tokens_decoded_ahead_and_stay_exact(token
         await wait_ahead(engine, "s", n + 30)
         assert len(engine.sessions["s"].seq.token_ids) == n + 30                # never past max_new_tokens
         assert engine.ahead.counts.delivered >= 10
-        delivered = engine.metrics.registry.get_sample_value("specmesh_verifier_ahead_tokens_total",
-                                                             {"outcome": "delivered"})
-        assert delivered == engine.ahead.counts.delivered
+        assert ahead_metric(engine, "delivered") == engine.ahead.counts.delivered
         engine.end_session("s")
         await wait_blocks_free(verifier)
     finally:
         await verifier.stop()
+
+
+def ahead_metric(engine, outcome: str) -> float | None:
+    """specmesh_verifier_ahead_tokens_total{outcome=...} as the verifier's /metrics exports it."""
+    return engine.metrics.registry.get_sample_value("specmesh_verifier_ahead_tokens_total", {"outcome": outcome})
 
 
 async def target_only(prompt_ids: list[int], n: int) -> list[int]:
@@ -181,8 +184,7 @@ async def test_an_ahead_step_gives_way_and_decoding_stays_exact(tokenizer) -> No
         engine.ahead.max_tokens = 3
         engine.post(None)                      # wake the engine thread (no message: the flag stays up)
         await asyncio.sleep(0.3)
-        interrupted = engine.metrics.registry.get_sample_value("specmesh_verifier_ahead_tokens_total",
-                                                               {"outcome": "interrupted"})
+        interrupted = ahead_metric(engine, "interrupted")
         assert interrupted and interrupted > 0
         assert engine.ahead.counts.decoded == 0 and len(engine.sessions["i"].seq.token_ids) == n + 1
         output += (await engine.verify("i", [], None).future).token_ids      # a message: the flag is down
