@@ -175,7 +175,8 @@ class Generation:
         is down or draining (UNAVAILABLE) is simply skipped."""
         request = verifier_pb2.StartSessionRequest(
             session_id=self.session_id, prompt_token_ids=self.params.prompt_ids,
-            sampling=sampling_to_proto(self.params.sampling), max_new_tokens=self.params.max_new_tokens)
+            sampling=sampling_to_proto(self.params.sampling), max_new_tokens=self.params.max_new_tokens,
+            speculative=self.params.num_draft_tokens > 0)
         for i, stub in enumerate(self.verifiers):
             try:
                 start = await stub.StartSession(request, timeout=self.timeout_s)

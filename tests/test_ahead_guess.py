@@ -103,7 +103,12 @@ async def test_guesses_decode_several_tokens_per_ahead_step_and_stay_exact(token
         await verifier.stop()
 
 
-async def test_a_target_only_session_gets_no_guesses(tokenizer) -> None:
+@pytest.mark.parametrize("speculative", [False, True])
+async def test_rounds_without_drafts_guess_only_for_a_speculative_session(tokenizer, monkeypatch,
+                                                                          speculative: bool) -> None:
+    """A target-only request (speculative False) gets plain target decoding; a request that drafts says so at the
+    start, and its rounds without drafts (the gateway chose none) still guess while decoding ahead."""
+    monkeypatch.setattr("verifier_service.decode_ahead.guess", lambda context_ids, g, eos: [11] * g)
     verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=6)
     engine = verifier.engine
     engine.ahead.guesses = True
@@ -111,12 +116,13 @@ async def test_a_target_only_session_gets_no_guesses(tokenizer) -> None:
     try:
         prompt_ids = tokenizer(PROMPTS[3])["input_ids"]
         n = len(prompt_ids)
-        output = list((await engine.start_session("t", prompt_ids, SamplingParams(), max_new_tokens=30)
-                       .future).token_ids)
+        output = list((await engine.start_session("t", prompt_ids, SamplingParams(), max_new_tokens=30,
+                                                  speculative=speculative).future).token_ids)
         while len(output) < 30:
-            await wait_ahead(engine, "t", min(n + len(output) + 1, n + 30))     # idle steps decode ahead, unguessed
+            await wait_ahead(engine, "t", min(n + len(output) + 1, n + 30))     # idle steps decode ahead
             output += (await engine.verify("t", [], None).future).token_ids
-        assert engine.ahead.counts.guessed == 0 and engine.ahead.counts.decoded > 0
+        assert output[:30] == await target_only(prompt_ids, 30)
+        assert engine.ahead.counts.decoded > 0 and (engine.ahead.counts.guessed > 0) == speculative
         engine.end_session("t")
         await wait_blocks_free(verifier)
     finally:

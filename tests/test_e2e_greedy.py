@@ -97,8 +97,16 @@ async def test_greedy_equals_target_only(stack, draft: str, k: int) -> None:
     await wait_blocks_free(stack["verifier"])
 
 
-async def test_target_only_and_dead_draft_equal_reference(stack) -> None:
+async def test_target_only_and_dead_draft_equal_reference(stack, monkeypatch) -> None:
     tok = stack["tokenizer"]
+    engine, speculative = stack["verifier"].engine, []
+    start = engine.start_session
+
+    def recording_start(*args, **kwargs):          # what the gateway told the verifier at each session's start
+        speculative.append(args[5] if len(args) > 5 else kwargs.get("speculative"))
+        return start(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "start_session", recording_start)
     for prompt in PROMPTS[4:]:
         expected = reference_greedy(prompt_ids(tok, prompt), MAX_NEW)
         ids, _, _ = await generate(stack["same"].addr, prompt, max_new_tokens=MAX_NEW, num_draft_tokens=0,
@@ -108,6 +116,8 @@ async def test_target_only_and_dead_draft_equal_reference(stack) -> None:
                                            ignore_eos=True)
         assert ids == expected                       # draft service down: target-only fallback, same output
         assert responses[-1].usage.num_drafted_tokens == 0
+    # StartSessionRequest.speculative: the drafting request says so (its verifier may guess in undrafted rounds)
+    assert speculative == [False, True] * len(PROMPTS[4:])
 
 
 async def test_adaptive_draft_length_stays_exact_and_backs_off(stack) -> None:

@@ -60,11 +60,13 @@ class DecodeAhead:
 
     def guesses_for(self, ahead: list[Session], fit: Fit) -> list[list[int]]:
         """Prompt-lookup guesses per ahead session, as many as pay at the forward's measured cost `fit`; only for
-        sessions whose caller drafts, never past the ahead limit or the session's length."""
+        sessions whose caller speculates (said so at the start, or its last verify carried drafts), never past the
+        ahead limit or the session's length."""
         out: list[list[int]] = []
         num_rows = len(ahead)
         for s in ahead:
-            g = best_num_guesses(s.guess_rate.rate, fit, num_rows, self._room(s)) if self.guesses and s.drafting else 0
+            wanted = self.guesses and (s.speculative or s.drafting)
+            g = best_num_guesses(s.guess_rate.rate, fit, num_rows, self._room(s)) if wanted else 0
             out.append(guess(s.seq.token_ids, g, self.eos_token_ids) if g else [])
             num_rows += len(out[-1])
         return out

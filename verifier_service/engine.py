@@ -66,6 +66,7 @@ class _Start:
     done: Completion
     deadline: float | None = None
     max_new_tokens: int = 0
+    speculative: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,12 +134,14 @@ class VerifierEngine(BatchedEngine):
 
     # ---- called from the event loop ---------------------------------------------------------------------------
     def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
-                      deadline: float | None = None, max_new_tokens: int = 0) -> Completion:
+                      deadline: float | None = None, max_new_tokens: int = 0,
+                      speculative: bool = False) -> Completion:
         """deadline: time.monotonic() after which the work is dropped (DEADLINE_EXCEEDED) if not yet run;
-        max_new_tokens: the most the caller will take (0 = up to the context length), a bound on decoding ahead."""
+        max_new_tokens: the most the caller will take (0 = up to the context length), a bound on decoding ahead;
+        speculative: the caller drafts for this session (decoding ahead may guess in rounds without drafts too)."""
         done = Completion()
         self._urgent = True
-        self.post(_Start(session_id, prompt_ids, params, done, deadline, max_new_tokens))
+        self.post(_Start(session_id, prompt_ids, params, done, deadline, max_new_tokens, speculative))
         return done
 
     def verify(self, session_id: str, draft_ids: list[int], draft_dists: list[SparseDist] | None,
@@ -199,7 +202,7 @@ class VerifierEngine(BatchedEngine):
         seq = SeqState(next(self._seq_ids), list(msg.prompt_ids), num_verified=len(msg.prompt_ids))
         max_len = len(msg.prompt_ids) + msg.max_new_tokens if msg.max_new_tokens > 0 else self.max_model_len
         session = Session(msg.session_id, seq, msg.params, make_generator(msg.params.seed), max_len,
-                          num_delivered=len(msg.prompt_ids))
+                          num_delivered=len(msg.prompt_ids), speculative=msg.speculative)
         self._enqueue(session, [], _Drafts(None), msg.done, msg.deadline)
         self.sessions[msg.session_id] = session
 

@@ -46,7 +46,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         try:
             with self.leases.call(session_id, token):
                 result: VerifyResult = await self.engine.start_session(
-                    session_id, prompt_ids, params, deadline_of(context), request.max_new_tokens).future
+                    session_id, prompt_ids, params, deadline_of(context), request.max_new_tokens,
+                    request.speculative).future
         except BaseException:
             # Failed or cancelled (the caller went away): nobody holds the token, so nothing may stay open.
             self.leases.close(session_id)
