@@ -33,7 +33,6 @@ from draft_service.session_sync import place_delta, plan_sync
 from specmesh.engine.batched import BatchedEngine
 from specmesh.engine.batched_rejection import greedy_accept
 from specmesh.engine.block_manager import BlockManager
-from specmesh.engine.forward_cost import ForwardCost
 from specmesh.engine.loop import Completion, EngineError
 from specmesh.engine.model_runner import ModelRunner
 from specmesh.engine.scheduler import ForwardRequest, SeqState
@@ -144,7 +143,6 @@ class DraftEngine(BatchedEngine):
         super().__init__("draft-engine", runner, block_manager, max_num_batched_tokens, max_num_seqs, num_threads)
         self.draft_ahead = draft_ahead
         self.guesses = guesses         # greedy draft forwards carry prompt-lookup guesses (specmesh/guesses.py)
-        self.forward_cost = ForwardCost()
         self.num_guessed = 0           # guesses run in draft forwards
         self.num_guesses_accepted = 0  # of them, the ones equal to the draft's argmax (drafts without a forward)
         # exported as specmesh_draft_guessed_total / specmesh_draft_guess_accepted_total
@@ -295,11 +293,6 @@ class DraftEngine(BatchedEngine):
 
     def idle_seqs(self) -> Iterable[SeqState]:
         return (s.seq for s in self.sessions.values() if not s.busy)
-
-    def finish_batch(self, requests: list[ForwardRequest], logits: torch.Tensor) -> None:
-        if not self.forward_prefills:         # decode-sized forwards only (see forward_cost)
-            self.forward_cost.observe(self.num_batch_tokens, self.forward_threads, self.forward_s)
-        super().finish_batch(requests, logits)
 
     def finish(self, request: ForwardRequest, logits: torch.Tensor) -> None:
         """logits [1 + g, V] for the position after the session's last token and after each of its g guesses."""

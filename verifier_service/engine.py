@@ -31,7 +31,7 @@ from specmesh.engine.batched import BatchedEngine
 from specmesh.engine.batched_rejection import greedy_accept
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.forward_cost import UNKNOWN as UNKNOWN_COST
-from specmesh.engine.forward_cost import Fit, ForwardCost
+from specmesh.engine.forward_cost import Fit
 from specmesh.engine.loop import Completion, EngineError
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
 from specmesh.engine.scheduler import ForwardRequest, ScheduledItem, SeqState
@@ -125,7 +125,6 @@ class VerifierEngine(BatchedEngine):
         # Set from the event loop when a message that needs a forward arrives: a step that only decodes ahead then
         # gives way between layers (see interrupt_check).
         self._urgent = False
-        self.forward_cost = ForwardCost()           # what one more token costs a forward, reported with verdicts
         self.max_queue_len = max_queue_len
         self.max_num_sessions = max_num_seqs * 4
         self.sessions: dict[str, Session] = {}
@@ -315,11 +314,6 @@ class VerifierEngine(BatchedEngine):
         if parents is None or not item.is_final:
             return forward_item
         return dataclasses.replace(forward_item, tree_parents=parents)
-
-    def finish_batch(self, requests: list[ForwardRequest], logits: torch.Tensor) -> None:
-        if not self.forward_prefills:         # decode- and verify-sized forwards only (see forward_cost)
-            self.forward_cost.observe(self.num_batch_tokens, self.forward_threads, self.forward_s)
-        super().finish_batch(requests, logits)
 
     def finish(self, req: ForwardRequest, logits: torch.Tensor) -> None:
         """logits [n+1, V] for the pending token and the n drafts (chain or tree nodes)."""

@@ -16,6 +16,7 @@ from opentelemetry.trace import SpanContext
 
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.errors import ForwardInterrupted
+from specmesh.engine.forward_cost import ForwardCost
 from specmesh.engine.loop import EngineError, EngineThread
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
 from specmesh.engine.scheduler import ForwardRequest, ScheduledItem, Scheduler, SeqState
@@ -44,6 +45,8 @@ class BatchedEngine(EngineThread):
         self.num_threads_max = num_threads     # see set_thread_policy
         self.max_threads_min_tokens = 0
         self.num_batch_tokens = 0      # tokens in the forward being finished (every sequence in the batch)
+        # what one more token costs a forward, measured on decode- and verify-sized forwards (no prompt KV computed)
+        self.forward_cost = ForwardCost()
         self.metrics = EngineMetrics()
         self._logits = torch.empty(0, 0)           # the current step's logits, rows of finished requests
         self._rows: dict[int, int] = {}           # id(request) -> its first row in _logits
@@ -117,6 +120,8 @@ class BatchedEngine(EngineThread):
                 self._fail_unexpected(item.request, EngineError("INTERNAL", f"engine forward failed: {exc!r}"))
             return
         self.num_steps += 1
+        if not self.forward_prefills:
+            self.forward_cost.observe(self.num_batch_tokens, threads, self.forward_s)
         finished: list[ForwardRequest] = []
         for item in batch:
             if item.is_final:
