@@ -41,20 +41,45 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* <a, b> over d floats (d a multiple of 8): four FMA chains (vector i goes to chain i % 4), joined in a fixed tree. */
-static inline float dot(const float *a, const float *b, int64_t d) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 32 <= d; i += 32) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), a3);
+#define SCORE_KEYS 8        /* keys scored together: one FMA chain each, then one transposed reduction */
+#define PREFETCH_KEYS 8     /* key and value rows are asked for this many keys ahead, into L2: a 16-slot KV block spans 4
+                               pages (1 KiB a slot for 2 KV heads of 128), too few for the hardware prefetcher */
+
+static inline void prefetch_row(const float *row, int64_t num_floats) {
+    for (int64_t i = 0; i < num_floats; i += 16) _mm_prefetch((const char *)(row + i), _MM_HINT_T1);
+}
+
+/* Lane k: the sum of v[k]'s 8 lanes, as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)). */
+static inline __m256 transpose_sum8(const __m256 *v) {
+    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* scores[k] = scale * <q, K[slots[k]]> for the m <= SCORE_KEYS keys slots[0 .. m): one FMA chain per key over its d / 8
+   vectors in order, then transpose_sum8 (a short block repeats its last key in the unused lanes). A key's score
+   depends on q and its own key row only, not on the keys beside it. */
+static inline void score_keys(const float *q, const float *key_cache, const int32_t *slots, int m, int64_t kv_stride,
+                              int64_t d, float scale, float *scores) {
+    const float *rows[SCORE_KEYS];
+    __m256 acc[SCORE_KEYS];
+    for (int k = 0; k < SCORE_KEYS; k++) {
+        rows[k] = key_cache + (int64_t)slots[k < m ? k : m - 1] * kv_stride;
+        acc[k] = _mm256_setzero_ps();
     }
-    if (i + 8 <= d) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
-    if (i + 16 <= d) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
-    if (i + 24 <= d) a2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), a2);
-    return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (int64_t i = 0; i < d; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        for (int k = 0; k < SCORE_KEYS; k++) acc[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[k] + i), acc[k]);
+    }
+    const __m256 s = _mm256_mul_ps(transpose_sum8(acc), _mm256_set1_ps(scale));
+    if (m == SCORE_KEYS) {
+        _mm256_storeu_ps(scores, s);
+    } else {
+        float lanes[SCORE_KEYS];
+        _mm256_storeu_ps(lanes, s);
+        for (int k = 0; k < m; k++) scores[k] = lanes[k];
+    }
 }
 
 /* probs [n] <- softmax numerators exp(s - max) of the scores in probs; returns their sum (8 lanes, in order). */
@@ -82,15 +107,19 @@ static float exp_scores(float *probs, int64_t n, float max_score) {
 
 #define HEAD_TILE 6         /* query heads of one KV head done together: each key and value row is read once */
 
-/* out[h, 0 : 8 * width] = sum_j probs[h, j] * V[slot_j, 0 : 8 * width] * inv[h] for the nh heads (width 1 or 2):
-   each value chunk is loaded once for all heads; one FMA chain per (head, vector), keys in order. */
+#define KEY_BLOCK 16        /* keys whose value rows stay in L1 while every 16-dim chunk passes over them */
+
+/* acc[h, 0 : 8 * width] += sum_{j0 <= j < j1} probs[h, j] * V[slot_j, 0 : 8 * width] for the nh heads (width 1 or 2),
+   starting from zero when `first`: each value chunk is loaded once for all heads; one FMA chain per (head, vector),
+   keys in order. acc lives in `out` (row h at out + h * d) between key blocks: storing and reloading a float changes
+   nothing, so a chain's numbers are those of one pass over all keys. */
 static inline __attribute__((always_inline)) void weighted_values(
-        const int nh, const int width, const float *value_cache, const int32_t *slots, int64_t n, int64_t kv_stride,
-        const float *probs, int64_t probs_stride, const float *inv, float *out, int64_t d) {
+        const int nh, const int width, const float *value_cache, const int32_t *slots, int64_t j0, int64_t j1,
+        int64_t kv_stride, const float *probs, int64_t probs_stride, const int first, float *out, int64_t d) {
     __m256 acc[HEAD_TILE][2];
     for (int h = 0; h < nh; h++)
-        for (int v = 0; v < width; v++) acc[h][v] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; j++) {
+        for (int v = 0; v < width; v++) acc[h][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + h * d + 8 * v);
+    for (int64_t j = j0; j < j1; j++) {
         const float *v_row = value_cache + (int64_t)slots[j] * kv_stride;
         __m256 vals[2];
         for (int v = 0; v < width; v++) vals[v] = _mm256_loadu_ps(v_row + 8 * v);
@@ -100,50 +129,56 @@ static inline __attribute__((always_inline)) void weighted_values(
         }
     }
     for (int h = 0; h < nh; h++)
-        for (int v = 0; v < width; v++)
-            _mm256_storeu_ps(out + h * d + 8 * v, _mm256_mul_ps(acc[h][v], _mm256_set1_ps(inv[h])));
+        for (int v = 0; v < width; v++) _mm256_storeu_ps(out + h * d + 8 * v, acc[h][v]);
 }
 
-/* One row, `nh` query heads sharing one KV head: scores, softmax, then values in 16-dim chunks (2 vectors x nh heads
-   of accumulators: 12 of AVX2's 16 registers). Every head's numbers go through the same operations in the same order
-   whatever nh is. */
-static inline __attribute__((always_inline)) void attend_heads(
-        const float *q, const int nh, const float *key_cache, const float *value_cache, const int32_t *slots,
-        int64_t n, int64_t kv_stride, int64_t d, float scale, float *probs, int64_t probs_stride, float *out) {
-    float max_score[HEAD_TILE];
-    for (int h = 0; h < nh; h++) max_score[h] = -INFINITY;
-    for (int64_t j = 0; j < n; j++) {
-        const float *k_row = key_cache + (int64_t)slots[j] * kv_stride;
-        for (int h = 0; h < nh; h++) {
-            const float s = dot(q + h * d, k_row, d) * scale;
-            probs[h * probs_stride + j] = s;
-            max_score[h] = s > max_score[h] ? s : max_score[h];
-        }
-    }
-    float inv[HEAD_TILE];
-    for (int h = 0; h < nh; h++) inv[h] = 1.0f / exp_scores(probs + h * probs_stride, n, max_score[h]);
+/* The value pass of one key block for the nh (<= HEAD_TILE) query heads of one KV head, in 16-dim chunks (2 vectors x
+   nh heads of accumulators: 12 of AVX2's 16 registers). */
+static inline __attribute__((always_inline)) void values_block(
+        const int nh, const float *value_cache, const int32_t *slots, int64_t j0, int64_t j1, int64_t kv_stride,
+        const float *probs, int64_t probs_stride, float *out, int64_t d) {
     for (int64_t c = 0; c + 16 <= d; c += 16)
-        weighted_values(nh, 2, value_cache + c, slots, n, kv_stride, probs, probs_stride, inv, out + c, d);
+        weighted_values(nh, 2, value_cache + c, slots, j0, j1, kv_stride, probs, probs_stride, j0 == 0, out + c, d);
     if (d % 16)
-        weighted_values(nh, 1, value_cache + d - 8, slots, n, kv_stride, probs, probs_stride, inv, out + d - 8, d);
+        weighted_values(nh, 1, value_cache + d - 8, slots, j0, j1, kv_stride, probs, probs_stride, j0 == 0, out + d - 8,
+                        d);
 }
 
-/* query [T, H, D], caches [slots, kvH, D], out [T, H, D]; D a multiple of 8, H a multiple of kvH; scratch holds
-   HEAD_TILE * max(row_len) floats. Query heads h of KV head h / G (G = H / kvH) go in tiles of up to HEAD_TILE. */
-void sm_paged_attention(const float *query, const float *key_cache, const float *value_cache,
-                        const int32_t *key_slots, const int64_t *row_start, const int64_t *row_len, int64_t rows,
-                        int64_t heads, int64_t kv_heads, int64_t d, float scale, float *scratch, float *out) {
+/* One row t: q [H, D] over the n keys at `slots` -> out [H, D]; probs [H, probs_stride] and inv [H] are scratch.
+   The cache holds a slot's KV heads side by side (one row of kvH * D floats), so every pass walks the keys once for
+   all heads: each key and value row is read whole, in order (reading one KV head's half of each row at a time ran
+   at a quarter of the memory bandwidth). Scores key block by key block, then the softmax numerators per head, then
+   values key block by key block, query heads of one KV head in tiles of up to HEAD_TILE. Every head's numbers go
+   through the same operations in the same order whatever else the row has. */
+static void attend_row(const float *q, int64_t heads, int64_t kv_heads, const float *key_cache,
+                       const float *value_cache, const int32_t *slots, int64_t n, int64_t d, float scale,
+                       float *probs, int64_t probs_stride, float *inv, float *out) {
     const int64_t group = heads / kv_heads, kv_stride = kv_heads * d;
-    int64_t max_len = 1;
-    for (int64_t t = 0; t < rows; t++) max_len = row_len[t] > max_len ? row_len[t] : max_len;
-    for (int64_t t = 0; t < rows; t++)
+    for (int64_t j = 0; j < n; j += SCORE_KEYS) {
+        const int m = n - j < SCORE_KEYS ? (int)(n - j) : SCORE_KEYS;
+        for (int64_t f = j + PREFETCH_KEYS; f < j + PREFETCH_KEYS + m && f < n; f++)
+            prefetch_row(key_cache + (int64_t)slots[f] * kv_stride, kv_stride);
+        for (int64_t h = 0; h < heads; h++)
+            score_keys(q + h * d, key_cache + (h / group) * d, slots + j, m, kv_stride, d, scale,
+                       probs + h * probs_stride + j);
+    }
+    for (int64_t h = 0; h < heads; h++) {
+        float max_score = -INFINITY;
+        for (int64_t j = 0; j < n; j++) {
+            const float s = probs[h * probs_stride + j];
+            max_score = s > max_score ? s : max_score;
+        }
+        inv[h] = 1.0f / exp_scores(probs + h * probs_stride, n, max_score);
+    }
+    for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK) {
+        const int64_t j1 = j0 + KEY_BLOCK < n ? j0 + KEY_BLOCK : n;
+        for (int64_t f = j0 + PREFETCH_KEYS; f < j1 + PREFETCH_KEYS && f < n; f++)
+            prefetch_row(value_cache + (int64_t)slots[f] * kv_stride, kv_stride);
         for (int64_t g = 0; g < kv_heads; g++)
             for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += HEAD_TILE) {
                 const int64_t left = (g + 1) * group - h0;
-                const float *q = query + (t * heads + h0) * d;
-                float *o = out + (t * heads + h0) * d;
-#define HEADS(NH) attend_heads(q, NH, key_cache + g * d, value_cache + g * d, key_slots + row_start[t], row_len[t], \
-                               kv_stride, d, scale, scratch, max_len, o)
+#define HEADS(NH) values_block(NH, value_cache + g * d, slots, j0, j1, kv_stride, probs + h0 * probs_stride, \
+                               probs_stride, out + h0 * d, d)
                 switch (left < HEAD_TILE ? left : HEAD_TILE) {
                     case 1: HEADS(1); break;
                     case 2: HEADS(2); break;
@@ -154,6 +189,22 @@ void sm_paged_attention(const float *query, const float *key_cache, const float 
                 }
 #undef HEADS
             }
+    }
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t i = 0; i < d; i += 8)
+            _mm256_storeu_ps(out + h * d + i, _mm256_mul_ps(_mm256_loadu_ps(out + h * d + i), _mm256_set1_ps(inv[h])));
+}
+
+/* query [T, H, D], caches [slots, kvH, D], out [T, H, D]; D a multiple of 8, H a multiple of kvH; scratch holds
+   H * (max(row_len) + 1) floats. Query heads h attend over KV head h / (H / kvH). */
+void sm_paged_attention(const float *query, const float *key_cache, const float *value_cache,
+                        const int32_t *key_slots, const int64_t *row_start, const int64_t *row_len, int64_t rows,
+                        int64_t heads, int64_t kv_heads, int64_t d, float scale, float *scratch, float *out) {
+    int64_t max_len = 1;
+    for (int64_t t = 0; t < rows; t++) max_len = row_len[t] > max_len ? row_len[t] : max_len;
+    for (int64_t t = 0; t < rows; t++)
+        attend_row(query + t * heads * d, heads, kv_heads, key_cache, value_cache, key_slots + row_start[t], row_len[t],
+                   d, scale, scratch, max_len, scratch + heads * max_len, out + t * heads * d);
 }
 
 int sm_cpu_supported(void) {

@@ -17,7 +17,6 @@ from specmesh.engine.cpu_build import load_optional
 SOURCE = Path(__file__).with_name("attention_kernel.c")
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
-HEAD_TILE = 6           # as in the C file: query heads per KV head done together
 
 
 @functools.cache
@@ -45,7 +44,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     rows, heads, head_dim = query.shape
     query = query.contiguous()
     out = torch.empty_like(query)
-    scratch = torch.empty(HEAD_TILE * max(1, max_len), dtype=torch.float32)
+    scratch = torch.empty(heads * (max(1, max_len) + 1), dtype=torch.float32)     # probs [H, max_len], inv [H]
     lib.sm_paged_attention(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), key_slots.data_ptr(),
                            row_start.data_ptr(), row_len.data_ptr(), rows, heads, key_cache.shape[1], head_dim,
                            scale, scratch.data_ptr(), out.data_ptr())
