@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from bench import kv_accounting as kv
 from bench import speedup
@@ -394,15 +393,3 @@ def test_guess_gain_decodes_the_same_tokens_with_and_without_guesses(capsys) -> 
                             "--categories", "code,code-edit"]) == 0
     assert "identical" in capsys.readouterr().out
 
-
-def test_attention_kernel_bench_times_the_kernel_and_the_fallback(capsys) -> None:
-    from bench import attention_kernel as bench_attention
-    from specmesh.engine import attention_kernel
-
-    if not attention_kernel.supports(16, torch.float32):
-        pytest.skip("no C compiler or AVX2")
-    assert bench_attention.main(["--contexts", "20", "--streams", "1,3", "--layers", "2", "--heads", "4",
-                                 "--kv-heads", "2", "--head-dim", "16", "--reps", "1"]) == 0
-    table = capsys.readouterr().out.splitlines()
-    rows = [line.split() for line in table if line.strip().startswith("20")]
-    assert [r[1] for r in rows] == ["1", "3"] and all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)

@@ -105,7 +105,7 @@ static float exp_scores(float *probs, int64_t n, float max_score) {
     return hsum8(total);
 }
 
-#define HEAD_TILE 6         /* query heads of one KV head done together: each key and value row is read once */
+#define HEAD_TILE 6         /* query heads of one KV head whose value chunks are accumulated together */
 
 #define KEY_BLOCK 16        /* keys whose value rows stay in L1 while every 16-dim chunk passes over them */
 
