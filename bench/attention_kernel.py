@@ -7,21 +7,21 @@ each over a context of its own, against the per-row SDPA fallback on the same po
 Shapes are the target's (28 layers, 12 query heads over 2 KV heads of 128): S streams decode one token each, stream s
 over its own `context` keys in blocks of 16 slots of a pool as the verifier's ([slots, kvH, D] per layer, float32), or
 with --shared-context all streams over the same keys (the cache-warm case: one stream verifying S tokens). Each
-timing is the fastest of --reps calls over all layers (the pools do not fit in cache, so every call reads keys and
-values from memory as a real step does). Prints a table and writes bench/results/attention-kernel-*.json.
+timing is the fastest of --reps calls over all layers (with several streams the pools far exceed the caches, so a
+call reads keys and values from memory as a real decode step does). Prints a table and writes
+bench/results/attention-kernel-*.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import log, result_paths, run_metadata, split_csv, write_json
+from bench.common import fastest_s, log, result_paths, run_metadata, split_csv, write_json
 from specmesh.engine import attention_kernel
 
 BLOCK = 16
@@ -57,25 +57,15 @@ def sdpa_call(layers: list[tuple[torch.Tensor, torch.Tensor]], query: torch.Tens
     return run
 
 
-def fastest_ms(fn: Callable[[], None], reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
-
-
 def measure(context: int, streams: int, args: argparse.Namespace) -> dict[str, float]:
     blocks = -(-context // BLOCK)
     layers = pools(args.layers, (1 if args.shared_context else streams) * blocks * BLOCK, args.kv_heads, args.head_dim)
     slots = [torch.arange(context) + (0 if args.shared_context else s * blocks * BLOCK) for s in range(streams)]
     query = torch.randn(streams, args.heads, args.head_dim)
     row = {"context": context, "streams": streams,
-           "kernel_ms": fastest_ms(kernel_call(layers, query, slots), args.reps)}
+           "kernel_ms": fastest_s(kernel_call(layers, query, slots), args.reps) * 1e3}
     if args.sdpa:
-        row["sdpa_ms"] = fastest_ms(sdpa_call(layers, query, slots), args.reps)
+        row["sdpa_ms"] = fastest_s(sdpa_call(layers, query, slots), args.reps) * 1e3
     kv_bytes = args.layers * 2 * (1 if args.shared_context else streams) * context * args.kv_heads * args.head_dim * 4
     row["kv_gb_s"] = kv_bytes / row["kernel_ms"] / 1e6
     return row

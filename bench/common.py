@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -314,6 +314,18 @@ def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int:
 # ------------------------------------------------------------------------------------------------- output
 def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def fastest_s(fn: Callable[[], object], iters: int) -> float:
+    """Seconds of the fastest of `iters` calls after one warm-up call (on a shared machine the minimum is the least
+    noisy estimate of a call's own cost)."""
+    fn()
+    best = float("inf")
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def run_metadata(args: argparse.Namespace) -> dict[str, Any]:

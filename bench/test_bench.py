@@ -392,4 +392,3 @@ def test_guess_gain_decodes_the_same_tokens_with_and_without_guesses(capsys) -> 
     assert guess_gain.main(["--preset", "tiny-target", "--dtype", "int8", "--max-new-tokens", "12", "--limit", "1",
                             "--categories", "code,code-edit"]) == 0
     assert "identical" in capsys.readouterr().out
-

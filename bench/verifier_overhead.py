@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from bench.common import log, result_paths, run_metadata, write_json
+from bench.common import fastest_s, log, result_paths, run_metadata, write_json
 from specmesh.config import EngineConfig
 from specmesh.engine.batched import BatchedEngine
 from specmesh.engine.batched_rejection import greedy_verify_batch
@@ -191,17 +191,6 @@ def paired(runs: Sequence[Callable[[], float]], iters: int) -> list[float]:
     return [min(s) for s in samples]
 
 
-def timed(fn: Callable[[], object], iters: int) -> float:
-    """Fastest of `iters` calls after one warm-up call."""
-    fn()
-    samples = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return min(samples)
-
-
 def overhead(args: argparse.Namespace) -> dict[str, Any]:
     config = EngineConfig(model=PRESETS[args.preset][0], dtype=args.dtype, num_threads=args.threads,
                           num_kv_blocks=(CONTEXT_LEN + 256) * 8 // 16 + 64)
@@ -266,7 +255,7 @@ def kernels(args: argparse.Namespace) -> dict[str, Any]:
     for name, fn in kernel_candidates(weight).items():
         try:
             invariant = all(torch.equal(fn(x_all[:m])[0], fn(x_all[:1])[0]) for m in (5, 16))
-            times = {m: timed(lambda m=m, fn=fn: fn(x_all[:m]), args.iters) * 1e3 for m in (1, 5, 16)}
+            times = {m: fastest_s(lambda m=m, fn=fn: fn(x_all[:m]), args.iters) * 1e3 for m in (1, 5, 16)}
         except Exception as exc:   # noqa: BLE001 - an unsupported kernel is a result
             log(f"{name}: failed: {exc!r}")
             rows.append({"kernel": name, "error": repr(exc)})
