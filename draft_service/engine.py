@@ -37,8 +37,10 @@ from specmesh.engine.loop import Completion, EngineError
 from specmesh.engine.model_runner import ModelRunner
 from specmesh.engine.scheduler import ForwardRequest, SeqState
 from specmesh.guesses import GuessRate, best_num_guesses, guess
+from specmesh.logit_transforms import adjust_chain
 from specmesh.rejection import SparseDist
 from specmesh.sampling import SamplingParams, logits_to_probs, make_generator, sample_sparse, sparsify
+from specmesh.seeded import seeded_sparse
 from specmesh.telemetry.metrics import StatsCollector
 
 log = logging.getLogger(__name__)
@@ -300,8 +302,13 @@ class DraftEngine(BatchedEngine):
         session = proposal.session
         session.ahead = None
         seq = session.seq
+        params = proposal.params
+        # The same transforms as the verifier's on p (row i follows the tokens so far + guesses[:i]).
+        logits = adjust_chain(logits, params, seq.token_ids, request.extra_ids)
         if request.extra_ids:                 # greedy: the guesses equal to the argmax, then the argmax after them
-            tokens = greedy_accept(self.argmax_rows(request), request.extra_ids)
+            plain = not params.needs_context and not params.logit_bias
+            rows = self.argmax_rows(request) if plain else torch.argmax(logits, dim=-1).tolist()
+            tokens = greedy_accept(rows, request.extra_ids)
             dists: list[SparseDist | None] = [None] * len(tokens)
             self.num_guessed += len(request.extra_ids)
             self.num_guesses_accepted += len(tokens) - 1
@@ -325,11 +332,17 @@ class DraftEngine(BatchedEngine):
         ids, probs = sparsify(q, proposal.max_q_entries)
         # The verifier sees q as float32 over the wire: sample from exactly those numbers.
         probs32 = [float(x) for x in np.asarray(probs, dtype=np.float32)]
-        # One uniform per absolute position, keyed by (seed, position): how far draft-ahead got before a call
-        # arrived cannot change later samples, so a seeded request is reproducible. A position drafted again after
-        # a rejection earlier in its block reuses its uniform; that is still exact, because whether a block is cut
-        # before position i never depends on the token drafted at i.
         position = len(proposal.session.seq.token_ids)
+        if proposal.params.is_seeded:
+            # The noise the verifier draws the target's token at this position with (specmesh/seeded.py): a q
+            # close to p mostly proposes the very token the target draws. Drawn from the q sent, so a verifier
+            # that runs rejection sampling instead stays exact too.
+            token = seeded_sparse(ids, probs32, proposal.params.seed, position)
+            return token, SparseDist(tuple(ids), tuple(probs32))
+        # One uniform per absolute position, keyed by (session seed, position): how far draft-ahead got before a
+        # call arrived cannot change later samples. A position drafted again after a rejection earlier in its block
+        # reuses its uniform; that is still exact, because whether a block is cut before position i never depends
+        # on the token drafted at i.
         generator = make_generator(position_seed(proposal.session.base_seed, position))
         return sample_sparse(ids, probs32, generator), SparseDist(tuple(ids), tuple(probs32))
 

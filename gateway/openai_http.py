@@ -176,7 +176,8 @@ class OpenAIHttp:
             raise ApiError(400, "'add_special_tokens' must be of type bool", param="add_special_tokens")
         tokenizer = self.tokenizer
         if "messages" in body:
-            messages = [{"role": m.role, "content": m.content} for m in parse_chat(body).request.messages]
+            chat = parse_chat({"messages": body["messages"]}).request.messages
+            messages = [{"role": m.role, "content": m.content} for m in chat]
             if getattr(tokenizer, "chat_template", None) is None:
                 raise ApiError(400, "the model has no chat template; send a prompt", param="messages")
             text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tokenize=False,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from google.protobuf import unknown_fields
+from google.protobuf.message import Message
 from transformers import PreTrainedTokenizerBase
 
 from gateway.safe_parse import UndecodableRequest
@@ -54,6 +56,24 @@ def _prompt_text(request: generate_pb2.GenerateRequest, tokenizer: PreTrainedTok
     return request.prompt
 
 
+def _refuse_unknown_fields(request: generate_pb2.GenerateRequest) -> None:
+    """A field this server's specmesh.v1 does not know (a newer client's) would be dropped silently: refuse it."""
+    parts: list[tuple[str, Message]] = [("request", request), ("sampling", request.sampling)]
+    parts += [(f"messages[{i}]", m) for i, m in enumerate(request.messages)]
+    for name, message in parts:
+        numbers = [field.field_number for field in unknown_fields.UnknownFieldSet(message)]
+        if numbers:
+            raise invalid(f"{name} has field number {numbers[0]}, which this server does not know (a newer "
+                          "specmesh.v1?); it would be ignored")
+
+
+def _check_logit_bias(sampling: SamplingParams, tokenizer: PreTrainedTokenizerBase) -> None:
+    vocab_size = len(tokenizer)
+    bad = [t for t, _ in sampling.logit_bias if t >= vocab_size]
+    if bad:
+        raise invalid(f"sampling.logit_bias: token id {bad[0]} is not in the vocabulary (ids < {vocab_size})")
+
+
 def _stop_strings(request: generate_pb2.GenerateRequest, config: GatewayConfig) -> tuple[str, ...]:
     if len(request.stop) > config.max_stop_strings:
         raise invalid(f"stop has {len(request.stop)} strings; the limit is {config.max_stop_strings}")
@@ -71,7 +91,9 @@ def validate_request(request: generate_pb2.GenerateRequest | UndecodableRequest,
         raise invalid(f"request is not a valid specmesh.v1.GenerateRequest: {request.reason}")
     if len(request.request_id) > MAX_REQUEST_ID_LEN:
         raise invalid(f"request_id must be at most {MAX_REQUEST_ID_LEN} characters")
+    _refuse_unknown_fields(request)
     sampling = sampling_from_proto(request.sampling)
+    _check_logit_bias(sampling, tokenizer)
     max_new_tokens = request.max_new_tokens or config.default_max_new_tokens
     if max_new_tokens > config.max_new_tokens_limit:
         raise invalid(f"max_new_tokens must be <= {config.max_new_tokens_limit}, got {max_new_tokens}")

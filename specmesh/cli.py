@@ -97,7 +97,13 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), > 0 = sampling")
     p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling mass in (0, 1]; 0 = off")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same output)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed: the same seed, prompt, parameters and server models give the same tokens, "
+                        "whatever the draft length (0 included), load or timing")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top token's "
+                   "probability; 0 = off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="penalise tokens already in the context (> 1 discourages repeats); 1 = off")
     p.add_argument("--stop", action="append", default=[], metavar="STRING",
                    help="stop before this string (repeatable; it is never returned)")
     p.add_argument("--num-draft-tokens", type=int, default=None, metavar="K",
@@ -109,7 +115,8 @@ def request_from_args(args: argparse.Namespace) -> client.generate_pb2.GenerateR
     return client.make_request(
         "" if args.chat else args.prompt, messages=[("user", args.prompt)] if args.chat else (),
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=args.stop, num_draft_tokens=args.num_draft_tokens, ignore_eos=args.ignore_eos)
+        seed=args.seed, stop=args.stop, num_draft_tokens=args.num_draft_tokens, ignore_eos=args.ignore_eos,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty)
 
 
 async def print_stream(addr: str, request: client.generate_pb2.GenerateRequest) -> int:

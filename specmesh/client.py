@@ -12,8 +12,10 @@ from protos.specmesh.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 def make_request(prompt: str = "", *, messages: Sequence[tuple[str, str]] = (), max_new_tokens: int = 0,
                  temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0, seed: int | None = None,
                  stop: Sequence[str] = (), num_draft_tokens: int | None = None,
-                 ignore_eos: bool = False) -> generate_pb2.GenerateRequest:
-    sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+                 ignore_eos: bool = False, min_p: float = 0.0, repetition_penalty: float = 0.0,
+                 logit_bias: dict[int, float] | None = None) -> generate_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                         repetition_penalty=repetition_penalty, logit_bias=logit_bias or {})
     if seed is not None:
         sampling.seed = seed
     request = generate_pb2.GenerateRequest(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from protos.specmesh.v1 import common_pb2
 from specmesh.engine.loop import EngineError
@@ -11,6 +11,7 @@ from specmesh.rejection import SparseDist
 from specmesh.sampling import SamplingParams
 
 MAX_SEED = 2**63 - 1
+MAX_LOGIT_BIAS = 1024
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -25,11 +26,32 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     seed = msg.seed if msg.HasField("seed") else None
     if seed is not None and seed > MAX_SEED:
         raise EngineError("INVALID_ARGUMENT", f"sampling.seed must be < 2^63, got {seed}")
-    return SamplingParams(temperature=float(msg.temperature), top_p=float(top_p), top_k=int(msg.top_k), seed=seed)
+    if not (math.isfinite(msg.min_p) and 0 <= msg.min_p <= 1):
+        raise EngineError("INVALID_ARGUMENT", f"sampling.min_p must be in [0, 1], got {msg.min_p}")
+    penalty = msg.repetition_penalty if msg.repetition_penalty != 0 else 1.0
+    if not (math.isfinite(penalty) and 0 < penalty <= 100):
+        raise EngineError("INVALID_ARGUMENT",
+                          f"sampling.repetition_penalty must be in (0, 100], got {msg.repetition_penalty}")
+    return SamplingParams(temperature=float(msg.temperature), top_p=float(top_p), top_k=int(msg.top_k), seed=seed,
+                          min_p=float(msg.min_p), repetition_penalty=float(penalty),
+                          logit_bias=_logit_bias(msg.logit_bias))
+
+
+def _logit_bias(entries: Mapping[int, float]) -> tuple[tuple[int, float], ...]:
+    if len(entries) > MAX_LOGIT_BIAS:
+        raise EngineError("INVALID_ARGUMENT", f"sampling.logit_bias has {len(entries)} entries; the limit is "
+                          f"{MAX_LOGIT_BIAS}")
+    for token, bias in entries.items():
+        if not (math.isfinite(bias) and -100 <= bias <= 100):
+            raise EngineError("INVALID_ARGUMENT", f"sampling.logit_bias[{token}] must be in [-100, 100], got {bias}")
+    return tuple(sorted((int(t), float(b)) for t, b in entries.items() if b != 0))
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+    msg = common_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                    min_p=params.min_p, logit_bias=dict(params.logit_bias))
+    if params.repetition_penalty != 1.0:
+        msg.repetition_penalty = params.repetition_penalty
     if params.seed is not None:
         msg.seed = params.seed
     return msg

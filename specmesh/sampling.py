@@ -27,6 +27,9 @@ class SamplingParams:
     top_p: float = 1.0  # in (0, 1]
     top_k: int = 0  # 0 -> disabled
     seed: int | None = None
+    min_p: float = 0.0  # in [0, 1]; 0 -> disabled
+    repetition_penalty: float = 1.0  # in (0, 100]; 1 -> disabled
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, ids unique
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0.0:
@@ -35,10 +38,29 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        ids = [t for t, _ in self.logit_bias]
+        if len(set(ids)) != len(ids) or any(t < 0 for t in ids):
+            raise ValueError("logit_bias token ids must be unique and >= 0")
+        if any(not (math.isfinite(b) and -100.0 <= b <= 100.0) for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def is_seeded(self) -> bool:
+        """A seeded sampled request: its tokens come from specmesh/seeded.py (reproducible whatever the drafts)."""
+        return self.seed is not None and not self.is_greedy
+
+    @property
+    def needs_context(self) -> bool:
+        """The logits are adjusted by the tokens before each position (repetition_penalty)."""
+        return self.repetition_penalty != 1.0
 
 
 def _filter_top_k_top_p(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -61,11 +83,19 @@ def _filter_top_k_top_p(probs: torch.Tensor, top_k: int, top_p: float) -> torch.
     return filtered / filtered.sum(dim=-1, keepdim=True)
 
 
+def _filter_min_p(probs: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Zero out tokens below min_p times the row's most likely token and renormalize. probs [N, V] float64."""
+    keep = probs >= min_p * probs.max(dim=-1, keepdim=True).values     # the most likely token always stays
+    filtered = torch.where(keep, probs, torch.zeros_like(probs))
+    return filtered / filtered.sum(dim=-1, keepdim=True)
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [N, V] (any float dtype) -> processed probabilities [N, V] float32.
 
-    Temperature, then top-k, then top-p (nucleus), then renormalization. Greedy params
-    give a one-hot at ``torch.argmax`` (ties -> lowest token id).
+    Temperature, then top-k, then top-p (nucleus), then min-p, then renormalization. Greedy
+    params give a one-hot at ``torch.argmax`` (ties -> lowest token id). repetition_penalty
+    and logit_bias act on the logits before this (specmesh/logit_transforms.py).
     """
     if logits.dim() != 2 or logits.shape[-1] == 0:
         raise ValueError(f"logits must have shape [N, V] with V > 0, got {tuple(logits.shape)}")
@@ -78,6 +108,8 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         raise ValueError("logits produce non-finite probabilities (NaN/+inf or an all -inf row)")
     if params.top_k > 0 or params.top_p < 1.0:
         probs = _filter_top_k_top_p(probs, params.top_k, params.top_p)
+    if params.min_p > 0.0:
+        probs = _filter_min_p(probs, params.min_p)
     return probs.to(torch.float32)
 
 

@@ -1,5 +1,7 @@
 """Invariant 2 through the full stack: sampled tokens follow the target's (processed) distribution exactly,
-whether the drafts are accepted (identical draft) or mostly rejected (unrelated draft: residual resampling)."""
+whether the drafts are accepted (identical draft) or mostly rejected (unrelated draft: residual resampling), for
+unseeded requests (rejection sampling) and seeded ones (position-keyed Gumbel-max, specmesh/seeded.py: one sample
+per seed)."""
 
 from __future__ import annotations
 
@@ -41,10 +43,10 @@ def target_probs(context_ids: list[int]) -> torch.Tensor:
     return logits_to_probs(logits, PARAMS)[0]
 
 
-async def sample_pairs(addr: str) -> list[tuple[int, int]]:
+async def sample_pairs(addr: str, seeded: bool = True) -> list[tuple[int, int]]:
     async def one(seed: int) -> tuple[int, int]:
         request = client.make_request(PROMPT, max_new_tokens=2, ignore_eos=True, temperature=PARAMS.temperature,
-                                      top_k=PARAMS.top_k, seed=seed, num_draft_tokens=2)
+                                      top_k=PARAMS.top_k, seed=seed if seeded else None, num_draft_tokens=2)
         ids = [t async for r in client.stream(addr, request, timeout_s=60) for t in r.token_ids]
         return ids[0], ids[1]
 
@@ -64,11 +66,12 @@ def assert_follows(samples: list[int], probs: torch.Tensor) -> None:
     assert chisquare(observed, expected).pvalue > 1e-3, (observed, expected)
 
 
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
 @pytest.mark.parametrize("draft", ["same", "unrelated"])
-async def test_sampled_tokens_follow_the_target_distribution(stack, draft: str) -> None:
+async def test_sampled_tokens_follow_the_target_distribution(stack, draft: str, seeded: bool) -> None:
     tok = AutoTokenizer.from_pretrained(str(resolve_model_dir("tiny-target")))
     prompt_ids = tok(PROMPT)["input_ids"]
-    pairs = await sample_pairs(stack[draft].addr)
+    pairs = await sample_pairs(stack[draft].addr, seeded)
     assert_follows([a for a, _ in pairs], target_probs(prompt_ids))          # from the prefill
     first = collections.Counter(a for a, _ in pairs).most_common(1)[0][0]
     second = [b for a, b in pairs if a == first]                             # from a verify round with drafts

@@ -35,14 +35,14 @@ from specmesh.engine.forward_cost import Fit
 from specmesh.engine.loop import Completion, EngineError
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
 from specmesh.engine.scheduler import ForwardRequest, ScheduledItem, SeqState
-from specmesh.rejection import SparseDist, rejection_sample
-from specmesh.sampling import SamplingParams, logits_to_probs, make_generator
+from specmesh.rejection import SparseDist
+from specmesh.sampling import SamplingParams, make_generator
 from specmesh.telemetry.metrics import StatsCollector
 from specmesh.tree import keep_shallow
-from specmesh.tree_rejection import tree_rejection_sample, verify_tree_greedy
 from verifier_service.ahead import match_ahead
 from verifier_service.decode_ahead import DecodeAhead
 from verifier_service.session import Session
+from verifier_service.verdicts import chain_verdict, greedy_rows, tree_verdict
 
 log = logging.getLogger(__name__)
 
@@ -320,7 +320,7 @@ class VerifierEngine(BatchedEngine):
         session, drafts, done = req.payload
         seq = session.seq
         if drafts.is_ahead_step:             # the pending token's next token, after any guesses it confirms
-            emitted = greedy_accept(self.argmax_rows(req), req.extra_ids)
+            emitted = greedy_accept(self._greedy_rows(req, session, logits), req.extra_ids)
             self._commit(session, emitted, len(emitted) - 1)
             self.ahead.decoded(session, len(req.extra_ids), len(emitted) - 1)
             return
@@ -364,22 +364,16 @@ class VerifierEngine(BatchedEngine):
         slots = self.block_manager.slot_mapping(seq.seq_id, base, base + accepted[-1] + 1)
         self.runner.move_kv([slots[src - base] for src, _ in moves], [slots[dst - base] for _, dst in moves])
 
+    def _greedy_rows(self, req: ForwardRequest, session: Session, logits: torch.Tensor) -> list[int]:
+        return greedy_rows(session, logits, req.extra_ids, lambda: self.argmax_rows(req))
+
     def _sample_tree(self, session: Session, logits: torch.Tensor, node_ids: Sequence[int],
                      drafts: _Drafts) -> tuple[list[int], int]:
-        if session.params.is_greedy:
-            return verify_tree_greedy(logits, node_ids, drafts.parents)
-        target_probs = logits_to_probs(logits, session.params)
-        dists = drafts.dists if drafts.dists else [SparseDist((t,), (1.0,)) for t in node_ids]
-        return tree_rejection_sample(target_probs, node_ids, drafts.parents, dists, session.generator)
+        return tree_verdict(session, logits, node_ids, drafts.parents, drafts.dists)
 
     def _sample(self, req: ForwardRequest, session: Session, logits: torch.Tensor,
                 dists: list[SparseDist] | None) -> list[int]:
-        draft_ids = req.extra_ids
-        if session.params.is_greedy:       # the step's one argmax over all rows (verify_greedy is the oracle)
-            return greedy_accept(self.argmax_rows(req), draft_ids)
-        target_probs = logits_to_probs(logits, session.params)
-        draft_dists = dists if dists else [SparseDist((t,), (1.0,)) for t in draft_ids]
-        return rejection_sample(target_probs, draft_ids, draft_dists, session.generator)
+        return chain_verdict(session, logits, req.extra_ids, dists, lambda: self.argmax_rows(req))
 
     def span_context(self, req: ForwardRequest) -> SpanContext | None:
         return req.payload[2].span_context

@@ -42,6 +42,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         prompt_ids = list(request.prompt_token_ids)
         self._check_ids(prompt_ids, "prompt_token_ids")
         params = sampling_from_proto(request.sampling)
+        self._check_ids([t for t, _ in params.logit_bias], "sampling.logit_bias")
         token = self.leases.open(session_id)
         try:
             with self.leases.call(session_id, token):
