@@ -58,7 +58,7 @@ def _prompt_text(request: generate_pb2.GenerateRequest, tokenizer: PreTrainedTok
 
 def _refuse_unknown_fields(request: generate_pb2.GenerateRequest) -> None:
     """A field this server's specmesh.v1 does not know (a newer client's) would be dropped silently: refuse it."""
-    parts: list[tuple[str, Message]] = [("request", request), ("sampling", request.sampling)]
+    parts: list[tuple[str, Message]] = [("request", request)]      # sampling: in sampling_from_proto
     parts += [(f"messages[{i}]", m) for i, m in enumerate(request.messages)]
     for name, message in parts:
         numbers = [field.field_number for field in unknown_fields.UnknownFieldSet(message)]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from google.protobuf import unknown_fields
+
 from protos.specmesh.v1 import common_pb2
 from specmesh.engine.loop import EngineError
 from specmesh.rejection import SparseDist
@@ -15,7 +17,12 @@ MAX_LOGIT_BIAS = 1024
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Validates and converts; errors are INVALID_ARGUMENT naming the field."""
+    """Validates and converts; errors are INVALID_ARGUMENT naming the field. A field this build does not know (a
+    newer peer's sampling option) is refused too: ignoring it would sample from another distribution."""
+    unknown = [field.field_number for field in unknown_fields.UnknownFieldSet(msg)]
+    if unknown:
+        raise EngineError("INVALID_ARGUMENT", f"sampling has field number {unknown[0]}, which this server does not "
+                          "know (a newer specmesh.v1?); it would be ignored")
     if not math.isfinite(msg.temperature) or msg.temperature < 0:
         raise EngineError("INVALID_ARGUMENT", f"sampling.temperature must be >= 0, got {msg.temperature}")
     if msg.temperature > 100:

@@ -51,6 +51,12 @@ BAD_REQUESTS = [
     (client.make_request("hi", messages=[("user", "hi")]), "prompt or messages"),
     (client.make_request(messages=[("robot", "hi")]), "messages[0].role"),
     (generate_pb2.GenerateRequest(prompt="hi", request_id="r" * 500), "request_id"),
+    (client.make_request("hi", temperature=1.0, min_p=1.5), "sampling.min_p"),
+    (client.make_request("hi", repetition_penalty=-1.0), "sampling.repetition_penalty"),
+    (client.make_request("hi", repetition_penalty=1000.0), "sampling.repetition_penalty"),
+    (client.make_request("hi", logit_bias={10**6: 1.0}), "sampling.logit_bias: token id 1000000"),
+    (client.make_request("hi", logit_bias={3: 500.0}), "sampling.logit_bias[3]"),
+    (client.make_request("hi", logit_bias={i: 1.0 for i in range(1025)}), "sampling.logit_bias"),
 ]
 
 
@@ -68,14 +74,26 @@ async def test_service_keeps_serving_after_bad_input(stack) -> None:
     assert sum(len(r.token_ids) for r in responses) == 4
 
 
-async def test_unknown_fields_are_ignored(stack) -> None:
-    raw = client.make_request("hello", max_new_tokens=3, ignore_eos=True).SerializeToString()
-    raw += bytes([0xF8, 0x06, 0x01])     # field 111, varint 1: unknown to this server
+@pytest.mark.parametrize("where", ["request", "sampling", "messages[0]"])
+async def test_unknown_fields_are_refused(stack, where: str) -> None:
+    """A field this server does not know (a newer client's) would be dropped silently: INVALID_ARGUMENT naming it."""
+    unknown = bytes([0xF8, 0x06, 0x01])     # field 111, varint 1
+    if where == "request":
+        raw = client.make_request("hello", max_new_tokens=3).SerializeToString() + unknown
+    elif where == "sampling":
+        sampling = common_pb2.SamplingParams(temperature=1.0).SerializeToString() + unknown
+        raw = generate_pb2.GenerateRequest(prompt="hello").SerializeToString()
+        raw += bytes([0x1A, len(sampling)]) + sampling                   # field 3 (sampling), length-delimited
+    else:
+        message = generate_pb2.ChatMessage(role="user", content="hi").SerializeToString() + unknown
+        raw = bytes([0x12, len(message)]) + message                      # field 2 (messages)
     async with grpc.aio.insecure_channel(stack["gateway"].addr) as channel:
         call = channel.unary_stream("/specmesh.v1.Generation/Generate", request_serializer=lambda b: b,
                                     response_deserializer=generate_pb2.GenerateResponse.FromString)
-        responses = [r async for r in call(raw, timeout=60)]
-    assert sum(len(r.token_ids) for r in responses) == 3
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            [r async for r in call(raw, timeout=60)]
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"{where} has field number 111" in info.value.details()
 
 
 async def test_internal_services_validate(stack) -> None:

@@ -149,7 +149,7 @@ async def test_refusals_are_counted_and_requests_metered(edge) -> None:
             assert r.status == 400
     async with session.get("/v1/nope") as r:
         assert r.status == 404
-    async with session.post("/v1/completions", json={**OK, "extra": 1}) as r:
+    async with session.post("/v1/completions", json={**OK, "user": "someone"}) as r:
         reply = await r.json()
         assert r.status == 200 and reply["usage"]["completion_tokens"] == 4
     after = await scrape(session)
