@@ -35,6 +35,7 @@ async def stack():
         "busy": await start_gateway(verifier.addr, unrelated.addr, enable_cache=True, enable_ngram=True,
                                     draft_tree_width=2, overlap=True, adaptive_draft_length=True),
         "suffix": await start_gateway(verifier.addr, same.addr, suffix_drafting=True, adaptive_draft_length=True),
+        "draft-down": await start_gateway(verifier.addr, "127.0.0.1:1", draft_timeout_s=2.0),   # nothing listens
     }
     yield gateways
     for running in (*gateways.values(), same, unrelated, verifier):
@@ -47,7 +48,7 @@ async def tokens(addr: str, max_new_tokens: int = 24, **kwargs: object) -> list[
 
 
 async def test_seeded_request_is_reproducible_under_load(stack) -> None:
-    runs = [("plain", 0), ("plain", 3), ("busy", 5), ("busy", 8), ("suffix", 2)]
+    runs = [("plain", 0), ("plain", 3), ("busy", 5), ("busy", 8), ("suffix", 2), ("draft-down", 4)]
     outputs = []
     for i, (gateway, k) in enumerate(runs):
         background = [tokens(stack[g].addr, 32, temperature=1.0, seed=None if j % 2 else 50 + i + j,
