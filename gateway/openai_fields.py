@@ -2,7 +2,8 @@
 refused with a 400 naming it (OpenAI itself answers an unrecognised argument with a 400). A field whose value is
 null counts as absent.
 
-Taken by both endpoints: model, stream, stream_options.include_usage, max_tokens, temperature, top_p, seed, stop,
+Taken by both endpoints: model, stream, stream_options.include_usage and .continuous_usage_stats (vLLM's: usage so
+far on every chunk), max_tokens, temperature, top_p, seed, stop,
 logit_bias, user (an end-user label: recorded nowhere, it changes nothing, as on OpenAI), and the extensions
 top_k, min_p, repetition_penalty, ignore_eos, num_draft_tokens (vLLM's `extra_body` style). Taken with their
 default only (anything else is refused): n and best_of (1), logprobs, top_logprobs, echo and suffix (off),
@@ -105,7 +106,9 @@ def refuse_unsupported(body: dict[str, Any]) -> None:
                        'constrained decoding (json_object / json_schema); only {"type": "text"} is accepted',
                        param="response_format")
     options = get(body, "stream_options", dict, {})
-    check_fields(options, frozenset({"include_usage"}), "stream_options.")
+    check_fields(options, frozenset({"include_usage", "continuous_usage_stats"}), "stream_options.")
+    for key in options:
+        get(options, key, bool)
 
 
 def sampling_extras(body: dict[str, Any], sampling: common_pb2.SamplingParams) -> None:

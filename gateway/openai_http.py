@@ -214,6 +214,7 @@ class OpenAIHttp:
 
     async def _stream(self, request: web.Request, parsed: ParsedRequest, chat: bool,
                       metadata: tuple[tuple[str, str], ...]) -> web.StreamResponse:
+        prompt_tokens = await self._prompt_tokens(parsed.request) if parsed.continuous_usage else 0
         call = self._stub().Generate(parsed.request, metadata=metadata)
         responses = call.__aiter__()
         try:
@@ -223,7 +224,7 @@ class OpenAIHttp:
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         try:
-            async for event in self._events(first, responses, parsed, chat):
+            async for event in self._events(first, responses, parsed, chat, prompt_tokens):
                 await response.write(event)
             await response.write(_sse("[DONE]"))
         except grpc.aio.AioRpcError as exc:
@@ -243,7 +244,7 @@ class OpenAIHttp:
 
     async def _events(self, first: generate_pb2.GenerateResponse,
                       rest: AsyncIterator[generate_pb2.GenerateResponse], parsed: ParsedRequest,
-                      chat: bool) -> AsyncIterator[bytes]:
+                      chat: bool, prompt_tokens: int = 0) -> AsyncIterator[bytes]:
         created, sent_any = int(time.time()), False
 
         async def all_responses() -> AsyncIterator[generate_pb2.GenerateResponse]:
@@ -251,15 +252,32 @@ class OpenAIHttp:
             async for r in rest:
                 yield r
 
+        completion_tokens = 0
         async for r in all_responses():
             reason = finish_reason(r.finish_reason)
+            completion_tokens += len(r.token_ids)
             if r.text or reason or (chat and not sent_any):
-                yield _sse(chunk_object(chat, r.request_id, self.model.name, created, r.text, reason,
+                so_far = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens} if parsed.continuous_usage else None
+                yield _sse(chunk_object(chat, r.request_id, self.model.name, created, r.text, reason, so_far,
                                         first=chat and not sent_any))
                 sent_any = True
             if r.HasField("usage") and parsed.include_usage:
                 yield _sse(chunk_object(chat, r.request_id, self.model.name, created, None, None,
                                         usage_dict(r.usage)))
+
+
+    async def _prompt_tokens(self, request: generate_pb2.GenerateRequest) -> int:
+        """The prompt's token count as the gateway's validation tokenizes it (the final usage says the same)."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise ApiError(400, "'stream_options.continuous_usage_stats' needs the tokenizer on this HTTP API",
+                           param="stream_options.continuous_usage_stats")
+        if not request.messages:
+            return len((await asyncio.to_thread(tokenizer, request.prompt))["input_ids"])
+        chat = [{"role": m.role, "content": m.content} for m in request.messages]
+        text = await asyncio.to_thread(tokenizer.apply_chat_template, chat, tokenize=False, add_generation_prompt=True)
+        return len((await asyncio.to_thread(tokenizer, text, add_special_tokens=False))["input_ids"])
 
 
 def add_loopback_port(server: ServiceServer) -> str:

@@ -43,6 +43,7 @@ class ParsedRequest:
     model: str
     stream: bool
     include_usage: bool        # stream_options.include_usage: one more chunk with the usage at the end
+    continuous_usage: bool = False     # stream_options.continuous_usage_stats: every chunk carries the usage so far
 
 
 def _stop_list(body: dict[str, Any]) -> list[str]:
@@ -75,8 +76,11 @@ def _common(body: dict[str, Any], max_tokens: int, request: generate_pb2.Generat
     if num_draft_tokens is not None:
         request.num_draft_tokens = num_draft_tokens
     options = get(body, "stream_options", dict, {})
-    return ParsedRequest(request, model, get(body, "stream", bool, False),
-                         bool(options.get("include_usage", False)))
+    stream = get(body, "stream", bool, False)
+    if options and not stream:
+        raise ApiError(400, "'stream_options' is only allowed with stream: true", param="stream_options")
+    return ParsedRequest(request, model, stream,
+                         bool(options.get("include_usage", False)), bool(options.get("continuous_usage_stats", False)))
 
 
 def parse_completion(body: dict[str, Any]) -> ParsedRequest:

@@ -4,6 +4,7 @@ refusal relayed with the OpenAI field name)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -46,8 +47,12 @@ REFUSED = [
     ("unknown-chat", True, {"web_search_options": {}}, "web_search_options", "not supported"),
     ("chat-field-on-completions", False, {"response_format": {"type": "text"}}, "response_format",
      "not supported"),
-    ("stream-options", True, {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
-     "stream_options.continuous_usage_stats", "not supported"),
+    ("stream-options", True, {"stream": True, "stream_options": {"include_usage": True, "foo": True}},
+     "stream_options.foo", "not supported"),
+    ("stream-options-type", True, {"stream": True, "stream_options": {"continuous_usage_stats": "yes"}},
+     "continuous_usage_stats", "bool"),
+    ("stream-options-unstreamed", False, {"stream_options": {"include_usage": True}}, "stream_options",
+     "stream: true"),
     ("message-name", True, {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages[0].name",
      "not supported"),
     ("message-tool-calls", True, {"messages": [{"role": "assistant", "content": "", "tool_calls": [{}]}]},
@@ -98,3 +103,22 @@ async def test_penalty_and_bias_over_http_change_the_output(edge) -> None:  # no
     out_of_vocab = await completion(logit_bias={str(10**6): 1})      # refused by the gateway, relayed to HTTP
     assert out_of_vocab["status"] == 400 and out_of_vocab["error"]["param"] == "logit_bias"
     assert "not in the vocabulary" in out_of_vocab["error"]["message"]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+async def test_continuous_usage_stats_on_every_chunk(edge, chat: bool) -> None:  # noqa: F811
+    """guidellm asks for it on every stream: each chunk carries the usage so far, the last chunk the final one."""
+    path, base = ("/v1/chat/completions", CHAT) if chat else ("/v1/completions", OK)
+    request = {**base, "max_tokens": 6, "ignore_eos": True, "stream": True,
+               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    async with edge["session"].post(path, json=request) as r:
+        assert r.status == 200
+        lines = [line.strip() for line in (await r.text()).splitlines() if line.strip()]
+    chunks = [json.loads(line[len("data: "):]) for line in lines if line != "data: [DONE]"]
+    final = chunks[-1]["usage"]
+    assert final["completion_tokens"] == 6 and chunks[-1]["choices"] == []
+    per_chunk = [c["usage"] for c in chunks[:-1]]
+    assert per_chunk and all(u["prompt_tokens"] == final["prompt_tokens"] for u in per_chunk)
+    counts = [u["completion_tokens"] for u in per_chunk]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in per_chunk)
