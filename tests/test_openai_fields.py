@@ -122,3 +122,17 @@ async def test_continuous_usage_stats_on_every_chunk(edge, chat: bool) -> None: 
     counts = [u["completion_tokens"] for u in per_chunk]
     assert counts == sorted(counts) and counts[-1] == 6
     assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in per_chunk)
+
+
+def test_load_generator_bodies_parse() -> None:
+    """The bodies guidellm 0.8.1 and aiperf 0.13.0 send (their request builders, read from the wheels), which
+    tests/test_load_tools.py runs unmodified when their venvs exist."""
+    stream = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    guidellm_text = {"model": "m", **stream, "max_tokens": 8, "stop": None, "ignore_eos": True, "prompt": "hi"}
+    guidellm_chat = {"model": "m", **stream, "max_completion_tokens": 8, "stop": None, "ignore_eos": True,
+                     "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    aiperf_chat = {"messages": [{"role": "user", "content": "hi"}], "model": "m", "stream": True,
+                   "max_completion_tokens": 8, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    assert parse_completion(guidellm_text).continuous_usage
+    assert parse_chat(guidellm_chat).request.max_new_tokens == 8
+    assert parse_chat(aiperf_chat).include_usage
