@@ -68,6 +68,8 @@ def _refuse_unknown_fields(request: generate_pb2.GenerateRequest) -> None:
 
 
 def _check_logit_bias(sampling: SamplingParams, tokenizer: PreTrainedTokenizerBase) -> None:
+    if not sampling.logit_bias:
+        return
     vocab_size = len(tokenizer)
     bad = [t for t, _ in sampling.logit_bias if t >= vocab_size]
     if bad:
