@@ -59,6 +59,12 @@ class RequestTelemetry:
             "gen_ai.request.top_k": s.top_k, "specmesh.request.num_draft_tokens": params.num_draft_tokens})
         if s.seed is not None:
             self.span.set_attribute("gen_ai.request.seed", s.seed)
+        if s.min_p > 0:
+            self.span.set_attribute("specmesh.request.min_p", s.min_p)
+        if s.repetition_penalty != 1.0:
+            self.span.set_attribute("specmesh.request.repetition_penalty", s.repetition_penalty)
+        if s.logit_bias:
+            self.span.set_attribute("specmesh.request.num_logit_bias", len(s.logit_bias))
         self.metrics.prompt_tokens.inc(len(params.prompt_ids))
 
     def on_response(self, response: generate_pb2.GenerateResponse) -> None:
