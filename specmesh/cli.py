@@ -98,8 +98,8 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling mass in (0, 1]; 0 = off")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off")
     p.add_argument("--seed", type=int, default=None,
-                   help="sampling seed: the same seed, prompt, parameters and server models give the same tokens, "
-                        "whatever the draft length (0 included), load or timing")
+                   help="sampling seed: the same seed, prompt, parameters, models and numerics give the same "
+                        "tokens, whatever the draft length (0 included), drafts, load or timing")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top token's "
                    "probability; 0 = off")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
