@@ -3,9 +3,9 @@ refused with a 400 naming it (OpenAI itself answers an unrecognised argument wit
 null counts as absent.
 
 Taken by both endpoints: model, stream, stream_options.include_usage and .continuous_usage_stats (vLLM's: usage so
-far on every chunk), max_tokens, temperature, top_p, seed, stop,
-logit_bias, user (an end-user label: recorded nowhere, it changes nothing, as on OpenAI), and the extensions
-top_k, min_p, repetition_penalty, ignore_eos, num_draft_tokens (vLLM's `extra_body` style). Taken with their
+far on every chunk), max_tokens, temperature, top_p, seed, stop, logit_bias, user (an end-user label: recorded
+nowhere, it changes nothing, as on OpenAI), and the extensions top_k, min_p, repetition_penalty, ignore_eos,
+num_draft_tokens (vLLM's `extra_body` style). Taken with their
 default only (anything else is refused): n and best_of (1), logprobs, top_logprobs, echo and suffix (off),
 presence_penalty and frequency_penalty (0), tools and functions (none), tool_choice and function_call ("none"),
 response_format ({"type": "text"}: the server has no constrained decoding, so json_object / json_schema are
@@ -14,6 +14,7 @@ refused rather than answered with free text).
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any
@@ -101,14 +102,15 @@ def refuse_unsupported(body: dict[str, Any]) -> None:
         _only_default(body, key, ("none",), 'this server does not call tools (only "none" is accepted)')
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        raise ApiError(400, f"'response_format' {{\"type\": {kind!r}}} is not supported: this server has no "
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise ApiError(400, f"'response_format' {json.dumps(kind)} is not supported: this server has no "
                        'constrained decoding (json_object / json_schema); only {"type": "text"} is accepted',
                        param="response_format")
     options = get(body, "stream_options", dict, {})
     check_fields(options, frozenset({"include_usage", "continuous_usage_stats"}), "stream_options.")
-    for key in options:
-        get(options, key, bool)
+    for key, value in options.items():
+        if value is not None and not isinstance(value, bool):
+            raise ApiError(400, f"'stream_options.{key}' must be of type bool", param=f"stream_options.{key}")
 
 
 def sampling_extras(body: dict[str, Any], sampling: common_pb2.SamplingParams) -> None:

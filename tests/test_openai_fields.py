@@ -17,7 +17,8 @@ MESSAGES = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 # (id, chat?, extra fields, the `param` of the 400, words of its message)
 REFUSED = [
-    ("json-object", True, {"response_format": {"type": "json_object"}}, "response_format", "constrained decoding"),
+    ("json-object", True, {"response_format": {"type": "json_object"}}, "response_format",
+     "'response_format' \"json_object\" is not supported: this server has no constrained decoding"),
     ("json-schema", True, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
      "response_format", "json_schema"),
     ("response-format-string", True, {"response_format": "json"}, "response_format", "text"),
@@ -50,7 +51,7 @@ REFUSED = [
     ("stream-options", True, {"stream": True, "stream_options": {"include_usage": True, "foo": True}},
      "stream_options.foo", "not supported"),
     ("stream-options-type", True, {"stream": True, "stream_options": {"continuous_usage_stats": "yes"}},
-     "continuous_usage_stats", "bool"),
+     "stream_options.continuous_usage_stats", "bool"),
     ("stream-options-unstreamed", False, {"stream_options": {"include_usage": True}}, "stream_options",
      "stream: true"),
     ("message-name", True, {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages[0].name",
