@@ -26,7 +26,7 @@ from specmesh import client
 from specmesh.launcher import PRESETS, Stack, StackConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_WORKLOAD = "../shared/bench/workload.jsonl"  # relative to the repository root
+DEFAULT_WORKLOAD = str(REPO_ROOT / "bench" / "workload.jsonl")  # the repository's own copy, whatever the cwd
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
 EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
 REQUEST_TIMEOUT_S = 3600.0

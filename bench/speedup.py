@@ -116,8 +116,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--peer-lengths", default="", help="lengths the peers run at ('' = all of --lengths)")
     p.add_argument("--hf-dtype", default="",
                    help="float32, int8 or int4 (default: the verifier's SPECMESH_VERIFIER_DTYPE)")
-    p.add_argument("--llamacpp", default="auto", help="llama-server binary, 'auto' (bench/llamacpp_peer.py's "
-                                                      "default locations) or 'off'")
+    p.add_argument("--llamacpp", default="auto", help="llama-server binary, 'auto' ($SPECMESH_LLAMA_SERVER, "
+                                                      "else llama-server on PATH; skipped if neither) or 'off'")
     p.add_argument("--llamacpp-draft-max", type=int, default=0, help="--spec-draft-n-max (0 = llama.cpp default)")
     p.add_argument("--verify-token-cost", type=float, default=0.1,
                    help="verify cost of one extra token in target steps, for the goal breakdown (~15/150 ms on CPU)")
