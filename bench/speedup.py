@@ -81,6 +81,8 @@ from bench.speedup_plot import plot, print_report
 from bench.speedup_stats import analytic_speedup, prompt_id, summarize_arm
 from bench.wan_proxy import WanProxy
 from gateway.verify_cost import VerifyCost
+from specmesh.config import AUTO_DTYPE
+from specmesh.engine.dtype_choice import resolve_dtype
 from specmesh.launcher import PRESETS, Stack, StackConfig
 
 Results = dict[str, list[RequestResult]]   # per arm ("model@rtt40" etc. for the sweep)
@@ -115,7 +117,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="prompts per category of the transformers peer (0 = as the stack arms)")
     p.add_argument("--peer-lengths", default="", help="lengths the peers run at ('' = all of --lengths)")
     p.add_argument("--hf-dtype", default="",
-                   help="float32, int8 or int4 (default: the verifier's SPECMESH_VERIFIER_DTYPE)")
+                   help="float32, int8, int4 or auto (default: the verifier's SPECMESH_VERIFIER_DTYPE, else auto)")
     p.add_argument("--llamacpp", default="auto", help="llama-server binary, 'auto' ($SPECMESH_LLAMA_SERVER, "
                                                       "else llama-server on PATH; skipped if neither) or 'off'")
     p.add_argument("--llamacpp-draft-max", type=int, default=0, help="--spec-draft-n-max (0 = llama.cpp default)")
@@ -328,7 +330,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     meta = run_metadata(args)
     env = parse_env(args.env)
-    dtype = args.hf_dtype or env.get("SPECMESH_VERIFIER_DTYPE", "float32")
+    requested = args.hf_dtype or env.get("SPECMESH_VERIFIER_DTYPE", AUTO_DTYPE)
+    dtype = resolve_dtype(requested, PRESETS[args.preset][0]).dtype  # as the verifier resolves it
     prompts = prompts_by_length(args)
     layouts = [LAYOUTS[name] for name in split_csv(args.layouts)]
     log(f"prompts per length {({n: len(p) for n, p in prompts.items()})}, k {args.num_draft_tokens}, dtype {dtype}, "

@@ -46,6 +46,8 @@ class StackConfig:
     trace_file: str = ""           # JSON-lines span file shared by the three services; "" = off
     taskset: Mapping[str, str] = field(default_factory=dict)  # child name -> `taskset -c` cpu list (e.g. pinning)
     nice: Mapping[str, int] = field(default_factory=dict)     # child name -> `nice -n` increment (e.g. benchmarks)
+    verifier_dtype: str = ""       # SPECMESH_VERIFIER_DTYPE for the verifier; "" = its own configuration (auto)
+    draft_dtype: str = ""          # SPECMESH_DRAFT_DTYPE for the draft service; "" = its own configuration
 
     @property
     def draft_addr(self) -> str:
@@ -239,6 +241,7 @@ class Stack:
             "SPECMESH_VERIFIER_MODEL": c.target, "SPECMESH_VERIFIER_HOST": c.host,
             "SPECMESH_VERIFIER_PORT": str(c.verifier_port),
             "SPECMESH_VERIFIER_NUM_THREADS": str(c.verifier_threads or c.num_threads),
+            **({"SPECMESH_VERIFIER_DTYPE": c.verifier_dtype} if c.verifier_dtype else {}),
             **self._telemetry_env("verifier")}, c.verifier_port)
         if c.draft:
             self._spawn("draft", "draft_service", {**self._draft_env(c.draft_port), **self._telemetry_env("draft")},
@@ -283,7 +286,8 @@ class Stack:
     def _draft_env(self, port: int) -> dict[str, str]:
         c = self.config
         return {"SPECMESH_DRAFT_MODEL": c.draft, "SPECMESH_DRAFT_HOST": c.host, "SPECMESH_DRAFT_PORT": str(port),
-                "SPECMESH_DRAFT_NUM_THREADS": str(c.num_threads)}
+                "SPECMESH_DRAFT_NUM_THREADS": str(c.num_threads),
+                **({"SPECMESH_DRAFT_DTYPE": c.draft_dtype} if c.draft_dtype else {})}
 
     def exited(self) -> dict[str, int]:
         """name -> exit code of every child that is no longer running."""

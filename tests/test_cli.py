@@ -263,6 +263,7 @@ def test_up_prints_every_endpoint_serves_and_stops_on_sigint(up, capsys: pytest.
     for what, where in expected.items():
         assert any(line.strip().startswith(what) and where in line.split() for line in lines), (what, text)
     assert "specmesh is up" in text
+    assert "verifier dtype float32 (auto: tiny random-weight model" in text     # said at start, with the reason
     for port in (m, m + 1, m + 2):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
             assert b"specmesh_" in reply.read()
