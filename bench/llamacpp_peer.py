@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import Prompt, add_workload_args, free_port_block, load_workload, log, split_csv
+from bench.common import Prompt, add_workload_args, free_port_block, load_workload, log, split_arg, split_csv
 
 SERVER_ENV = "SPECMESH_LLAMA_SERVER"
 SERVER_NAME = "llama-server"
@@ -231,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = server_path(args.server)
     if not server:
         p.error(MISSING_SERVER)
-    prompts = load_workload(args.workload, split_csv(args.categories), True, args.limit)
+    prompts = load_workload(args.workload, split_csv(args.categories), True, args.limit, split_arg(args))
     peer = run_peer(server, args.preset, prompts, [int(x) for x in split_csv(args.lengths)],
                     [int(x) for x in split_csv(args.threads)], args.draft_max)
     print(json.dumps(peer.get("summary", peer), indent=1))
