@@ -17,8 +17,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 
 from draft_service.server import build_draft
-from protos.specmesh.v1 import common_pb2, generate_pb2_grpc
+from gateway.health import VerifierWatch
+from protos.specmesh.v1 import common_pb2, generate_pb2_grpc, verifier_pb2_grpc
 from specmesh import cli, client
+from specmesh.channels import internal_channel
 from specmesh.config import DraftConfig, EngineConfig, TelemetryConfig, VerifierConfig
 from specmesh.telemetry.span_file import JsonLinesSpanExporter, span_to_dict
 from specmesh.telemetry.tracing import add_exporter
@@ -143,6 +145,27 @@ async def test_one_trace_per_generation_with_every_hop_and_round(stack) -> None:
     linked = {link["span_id"] for f in forwards for link in f["links"] if link["trace_id"] == responses[0].request_id}
     assert linked == verify_servers
     assert all(f["parent_span_id"] is None and f["trace_id"] != responses[0].request_id for f in forwards)
+
+
+async def test_idle_health_probes_make_no_spans_while_a_request_still_makes_its_trace(stack) -> None:
+    memory = stack["memory"]
+    memory.clear()
+    channel = internal_channel(stack["verifier"].addr)       # intercepted, as the gateway's own channels
+    try:
+        watch = VerifierWatch([verifier_pb2_grpc.VerifierStub(channel)], [stack["verifier"].addr], _ignore)
+        for _ in range(5):                    # five seconds of an idle gateway's probing, without the waits
+            assert await watch.probe_once()
+    finally:
+        await channel.close()
+    # (other tests' asynchronous EndSession calls may still end now: only the probes' own spans are looked for)
+    assert [s.name for s in memory.get_finished_spans() if "GetModelInfo" in s.name] == []
+    responses = await generate(stack["gateway"].addr)
+    spans = await spans_after_cleanup(memory)
+    assert GENERATE in {s["name"] for s in spans if s["trace_id"] == responses[0].request_id}
+    assert not [s for s in spans if "GetModelInfo" in s["name"]]
+
+
+async def _ignore(serving: bool) -> None: ...
 
 
 async def test_concurrent_requests_get_their_own_traces_and_share_batches(stack, monkeypatch) -> None:
