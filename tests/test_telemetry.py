@@ -25,6 +25,7 @@ from specmesh.config import DraftConfig, EngineConfig, TelemetryConfig, Verifier
 from specmesh.telemetry.span_file import JsonLinesSpanExporter, span_to_dict
 from specmesh.telemetry.tracing import add_exporter
 from tests.stack import Running, start_gateway
+from tests.test_metric_help import bad_help
 from verifier_service.server import build_verifier
 
 PROMPT = "Speculative decoding splits work between a small draft model and"
@@ -209,6 +210,19 @@ def scrape(running: Running) -> dict[str, float]:
             if "le" not in sample.labels:
                 out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return out
+
+
+async def test_every_served_metric_help_says_what_it_counts(stack) -> None:
+    await generate(stack["gateway"].addr)
+    families = []
+    for name in ("gateway", "verifier", "draft"):
+        port = stack[name].server.metrics.port
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            families += [(f.name, f.documentation) for f in text_string_to_metric_families(reply.read().decode())
+                         if f.name.startswith("specmesh_")]
+    assert {"specmesh_draft_guessed", "specmesh_verifier_ahead_tokens", "specmesh_round_outcomes_rounds"} <= {
+        name for name, _ in families}
+    assert bad_help(families) == []
 
 
 async def test_metrics_parse_and_move_after_a_generation(stack) -> None:
