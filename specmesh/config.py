@@ -173,12 +173,26 @@ def _build(cls: type[T], values: Mapping[str, Any], base: T) -> T:
     return dataclasses.replace(base, **changes)  # type: ignore[type-var]
 
 
+SERVICE_MODULES = {"verifier": "verifier_service", "draft": "draft_service", "gateway": "gateway"}
+
+
+def _dotted_value(config: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
+
+
 def load_config(cls: type[T], service: str, argv: Sequence[str] | None = None,
                 env: Mapping[str, str] | None = None, base: T | None = None) -> T:
     """Defaults <- SPECMESH_<SERVICE>_<FIELD> environment <- --field command-line flags."""
     env = os.environ if env is None else env
     base = cls() if base is None else base
-    parser = argparse.ArgumentParser(prog=f"specmesh {service}")
+    from specmesh.config_help import flag_help
+
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {SERVICE_MODULES.get(service, service)}",
+        description=f"Runs the specmesh {service}. Every flag is also the environment variable named in its help; "
+                    "flags win over the environment, which wins over the defaults shown.")
     values: dict[str, Any] = {}
     types = dict(_flat_fields(cls))
     for dotted, typ in types.items():
@@ -189,7 +203,9 @@ def load_config(cls: type[T], service: str, argv: Sequence[str] | None = None,
                 values[dotted] = _convert(env[env_name], typ, leaf)
             except ValueError as exc:
                 config_error(f"invalid value for {env_name}: {env[env_name]!r} ({exc})")
-        parser.add_argument(f"--{leaf.replace('_', '-')}", dest=dotted, default=None, help=f"env {env_name}")
+        parser.add_argument(f"--{leaf.replace('_', '-')}", dest=dotted, default=None,
+                            metavar="0|1" if typ is bool else "|".join(CHOICES.get(leaf, ())) or leaf.upper(),
+                            help=flag_help(cls, dotted, env_name, _dotted_value(base, dotted)))
     if argv is not None:
         for dotted, raw in vars(parser.parse_args(list(argv))).items():
             if raw is not None:
