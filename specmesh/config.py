@@ -95,7 +95,7 @@ class DraftConfig:
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 50051
-    http_port: int = 0                     # OpenAI-compatible HTTP API (gateway/openai_http.py); 0 = off
+    http_port: int = 8000                  # OpenAI-compatible HTTP API (gateway/openai_http.py); 0 = off
     api_keys: str = ""                     # comma-separated KEY or KEY:TENANT for `authorization: Bearer`; "" = open
     api_keys_file: str = ""                # file with one KEY or KEY:TENANT per line (e.g. a mounted secret)
     verifier_addr: str = "127.0.0.1:50061"  # comma-separated replicas: a session starts on the first that takes it
