@@ -3,6 +3,7 @@
   stack arms (one verifier + one draft service, the draft link through a WAN-emulating proxy, bench/wan_proxy.py;
   fixed draft length k; each arm with settings of its own gets its own gateway on the same services):
     target      target-only decoding through the stack (num_draft_tokens=0)
+    defaults    the gateway as it ships (its own tiers, adaptive k and prefetch; requests leave k to it)
     sequential  draft model only, no prefetch: k draft steps, then one verify (SPECMESH_GATEWAY_DRAFT_PREFETCH=0)
     overlap     sequential + SPECMESH_GATEWAY_OVERLAP=1 (drafting overlapped with verification)
     tree        sequential + SPECMESH_GATEWAY_DRAFT_TREE_WIDTH=2 (token trees)
