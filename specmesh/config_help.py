@@ -32,8 +32,11 @@ FALLBACK: dict[str, str] = {
 @functools.cache
 def field_comments(cls: type) -> dict[str, str]:
     """field name -> its comment in the class body: the comment on the field's line, joined with the comment-only
-    lines right below it (a comment continued under the first)."""
-    source = inspect.getsource(cls)
+    lines right below it (a comment continued under the first). {} where the source is not installed."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
     out: dict[str, str] = {}
     current = ""            # the field whose line (or continuation) we are on
     line_start = True       # the next token begins a logical line
