@@ -393,5 +393,5 @@ def test_guess_gain_decodes_the_same_tokens_with_and_without_guesses(capsys) -> 
     from bench import guess_gain
 
     assert guess_gain.main(["--preset", "tiny-target", "--dtype", "int8", "--max-new-tokens", "12", "--limit", "1",
-                            "--categories", "code,code-edit"]) == 0
+                            "--categories", "code,code-edit", "--split", "tune"]) == 0
     assert "identical" in capsys.readouterr().out
