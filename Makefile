@@ -5,6 +5,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= Write a Python function that checks whether a string is a palindrome.
 PRESET ?= qwen
+# Numerics of both model services: auto (default: int4 where its kernel builds, else int8, else float32), int4, int8,
+# float32. Empty = each service's SPECMESH_*_DTYPE, else auto.
+DTYPE ?=
+DTYPE_FLAG = $(if $(DTYPE),--dtype $(DTYPE))
 
 .PHONY: install demo demo-tiny test lint bench validate-deploy clean
 
@@ -19,10 +23,10 @@ $(BIN)/specmesh: pyproject.toml setup.py $(wildcard protos/specmesh/v1/*.proto)
 install: $(BIN)/specmesh
 
 demo: install
-	$(BIN)/specmesh demo --preset $(PRESET) --chat --max-new-tokens 96 "$(PROMPT)"
+	$(BIN)/specmesh demo --preset $(PRESET) $(DTYPE_FLAG) --chat --max-new-tokens 96 "$(PROMPT)"
 
 demo-tiny: install
-	$(BIN)/specmesh demo --preset tiny --max-new-tokens 32 "Hello"
+	$(BIN)/specmesh demo --preset tiny $(DTYPE_FLAG) --max-new-tokens 32 "Hello"
 
 test: install
 	$(BIN)/ruff check .

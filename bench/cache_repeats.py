@@ -39,6 +39,7 @@ from bench.common import (
     make_request,
     result_paths,
     run_metadata,
+    split_arg,
     timed_request,
     write_json,
 )
@@ -189,7 +190,7 @@ async def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         raise SystemExit(f"--modes: choose from {', '.join(MODES)}")
-    prompts = load_workload(args.workload, [args.categories])
+    prompts = load_workload(args.workload, [args.categories], splits=split_arg(args))
     asks = args.asks or max(p.repeat for p in prompts)
     json_path, _ = result_paths(args.name or f"cache-repeats-{args.preset}")
     interrupt = Interrupt()

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +26,11 @@ from specmesh import client
 from specmesh.launcher import PRESETS, Stack, StackConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_WORKLOAD = "../shared/bench/workload.jsonl"  # relative to the repository root
+DEFAULT_WORKLOAD = str(REPO_ROOT / "bench" / "workload.jsonl")  # the repository's own copy, whatever the cwd
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
 EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
 REQUEST_TIMEOUT_S = 3600.0
+SPLITS = ("tune", "eval")   # prompts defaults are chosen on / held-out prompts they are judged on (bench/README.md)
 
 
 # ------------------------------------------------------------------------------------------------- workload
@@ -40,6 +41,7 @@ class Prompt:
     prompt: str
     system: str = ""
     repeat: int = 1
+    split: str = "tune"          # "tune" or "eval" (held out: other languages, tasks and chat styles)
 
     @property
     def messages(self) -> list[tuple[str, str]]:
@@ -56,26 +58,32 @@ def resolve_path(path: str) -> Path:
     raise FileNotFoundError(f"{path} not found (tried {', '.join(str(c) for c in candidates)})")
 
 
-def load_workload(path: str, categories: Sequence[str] = (), dedupe: bool = True, limit: int = 0) -> list[Prompt]:
-    """Workload prompts in file order; `limit` caps distinct prompts per category, `dedupe=False` expands
-    each prompt's `repeat` count (ids get a `#k` suffix)."""
+def load_workload(path: str, categories: Sequence[str] = (), dedupe: bool = True, limit: int = 0,
+                  splits: Sequence[str] = ()) -> list[Prompt]:
+    """Workload prompts in file order; `limit` caps distinct prompts per category within each split, `splits`
+    selects "tune" and/or "eval" prompts (empty = both), `dedupe=False` expands each prompt's `repeat` count (ids
+    get a `#k` suffix)."""
     prompts: list[Prompt] = []
-    per_category: dict[str, int] = {}
+    per_group: dict[tuple[str, str], int] = {}
     for line in resolve_path(path).read_text().splitlines():
         if not line.strip():
             continue
         row = json.loads(line)
-        p = Prompt(row["id"], row["category"], row["prompt"], row.get("system", ""), int(row.get("repeat", 1)))
-        if categories and p.category not in categories:
+        p = Prompt(row["id"], row["category"], row["prompt"], row.get("system", ""), int(row.get("repeat", 1)),
+                   row.get("split", "tune"))
+        if p.split not in SPLITS:
+            raise SystemExit(f"{path}: prompt {p.id} has split {p.split!r}; choose from {', '.join(SPLITS)}")
+        if (categories and p.category not in categories) or (splits and p.split not in splits):
             continue
-        if limit and per_category.get(p.category, 0) >= limit:
+        group = (p.split, p.category)
+        if limit and per_group.get(group, 0) >= limit:
             continue
-        per_category[p.category] = per_category.get(p.category, 0) + 1
+        per_group[group] = per_group.get(group, 0) + 1
         copies = 1 if dedupe else p.repeat
-        prompts += [p if copies == 1 else Prompt(f"{p.id}#{k}", p.category, p.prompt, p.system, p.repeat)
-                    for k in range(copies)]
+        prompts += [p if copies == 1 else replace(p, id=f"{p.id}#{k}") for k in range(copies)]
     if not prompts:
-        raise SystemExit(f"no prompts selected from {path} (categories={list(categories) or 'all'})")
+        raise SystemExit(f"no prompts selected from {path} (categories={list(categories) or 'all'}, "
+                         f"splits={list(splits) or 'all'})")
     return prompts
 
 
@@ -83,7 +91,15 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", default=DEFAULT_WORKLOAD,
                         help="workload JSONL (relative paths: working directory, then repository root)")
     parser.add_argument("--categories", default="", help="comma-separated categories to run (default: all)")
-    parser.add_argument("--limit", type=int, default=0, help="at most N distinct prompts per category (0 = all)")
+    parser.add_argument("--limit", type=int, default=0,
+                        help="at most N distinct prompts per category and split (0 = all)")
+    parser.add_argument("--split", default="", choices=["", *SPLITS],
+                        help="only the tuning or the held-out evaluation prompts (default: both)")
+
+
+def split_arg(args: argparse.Namespace) -> list[str]:
+    """The splits `--split` selects ([] = both)."""
+    return [args.split] if args.split else []
 
 
 def split_csv(value: str) -> list[str]:
@@ -202,9 +218,9 @@ class RequestResult:
         return {**asdict(self), "tok_s": self.tok_s, "decode_tok_s": self.decode_tok_s}
 
 
-def make_request(prompt: Prompt, max_new_tokens: int, num_draft_tokens: int,
+def make_request(prompt: Prompt, max_new_tokens: int, num_draft_tokens: int | None,
                  ignore_eos: bool = False) -> generate_pb2.GenerateRequest:
-    """A greedy chat request for one workload prompt."""
+    """A greedy chat request for one workload prompt (num_draft_tokens None: the gateway's default)."""
     return client.make_request(messages=prompt.messages, max_new_tokens=max_new_tokens,
                                num_draft_tokens=num_draft_tokens, ignore_eos=ignore_eos)
 

@@ -38,6 +38,7 @@ from bench.common import (
     resolve_path,
     result_paths,
     run_metadata,
+    split_arg,
     split_csv,
     stack_addr,
     timed_request,
@@ -241,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     meta = run_metadata(args)
     all_prompts = load_workload(args.workload)
-    prompts = load_workload(args.workload, split_csv(args.categories), True, args.limit)
+    prompts = load_workload(args.workload, split_csv(args.categories), True, args.limit, split_arg(args))
     levels = [int(n) for n in split_csv(args.streams)]
     count = args.num_requests or max(levels)
     requests = [Prompt(f"{p.id}@{i}", p.category, p.prompt, p.system)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from bench.common import DEFAULT_WORKLOAD, Prompt, load_workload, log, split_csv
+from bench.common import DEFAULT_WORKLOAD, SPLITS, Prompt, load_workload, log, split_arg, split_csv
 from specmesh.config import EngineConfig
 from specmesh.engine.batched_rejection import greedy_accept
 from specmesh.engine.build import build_engine_parts
@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--workload", default=DEFAULT_WORKLOAD)
     p.add_argument("--categories", default="chat,summarize,code,code-edit")
-    p.add_argument("--limit", type=int, default=2, help="prompts per category")
+    p.add_argument("--limit", type=int, default=2, help="prompts per category and split")
+    p.add_argument("--split", default="", choices=["", *SPLITS], help="tune or eval prompts only (default: both)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = build_engine_parts(EngineConfig(model=args.preset, dtype=args.dtype, num_kv_blocks=256, block_size=BLOCK))
     eos_ids = frozenset(parts.loaded.eos_token_ids)
     rows, mismatches = [], 0
-    prompts = load_workload(args.workload, split_csv(args.categories), True, args.limit)
+    prompts = load_workload(args.workload, split_csv(args.categories), True, args.limit, split_arg(args))
     for i, prompt in enumerate(prompts):
         ids = prompt_ids(tokenizer, prompt)
         order = (False, True) if i % 2 == 0 else (True, False)      # alternate which runs first (drift)

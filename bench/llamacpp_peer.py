@@ -5,9 +5,10 @@ One `llama-server` per configuration (per-request speculative settings are compi
 workload prompt goes to `/v1/chat/completions` as chat messages (temperature 0, cache_prompt false); decode tok/s is
 the server's `timings.predicted_per_second` (pooled: all predicted tokens / all predicted ms); end-to-end tok/s is
 completion tokens / request wall time. Whether the speculative output is identical to its own target-only output
-is checked on the text. Build: /work/shared/PEERS.md (the sources vendored in the llama-cpp-python==0.3.36 sdist).
+is checked on the text. Build: bench/README.md, "llama.cpp peer" (the sources vendored in the
+llama-cpp-python==0.3.36 sdist). The binary: `--server`, else $SPECMESH_LLAMA_SERVER, else `llama-server` on PATH.
 
-    .venv/bin/python -m bench.llamacpp_peer --server /work/llamacpp/.../build/bin/llama-server --limit 1
+    .venv/bin/python -m bench.llamacpp_peer --server PATH/TO/llama.cpp/build/bin/llama-server --limit 1
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -25,9 +27,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import Prompt, add_workload_args, free_port_block, load_workload, log, split_csv
+from bench.common import Prompt, add_workload_args, free_port_block, load_workload, log, split_arg, split_csv
 
-DEFAULT_SERVER = ("/work/llamacpp/src/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server")
+SERVER_ENV = "SPECMESH_LLAMA_SERVER"
+SERVER_NAME = "llama-server"
+MISSING_SERVER = (f"no llama-server binary: pass --server PATH, set ${SERVER_ENV}, or put {SERVER_NAME} on PATH")
 GGUF_DIR = Path.home() / ".cache" / "specmesh" / "gguf"
 GGUF_FILES = {"qwen": ("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")}
 CONFIGS = ("target", "spec")
@@ -53,11 +57,11 @@ class PeerRun:
 
 
 def server_path(explicit: str = "") -> str:
-    """The llama-server binary: `explicit`, $SPECMESH_LLAMA_SERVER, or the default build location; '' if none."""
-    for candidate in (explicit, os.environ.get("SPECMESH_LLAMA_SERVER", ""), DEFAULT_SERVER):
-        if candidate and Path(candidate).is_file():
-            return candidate
-    return ""
+    """The llama-server binary: `explicit` (a path or a name on PATH), else $SPECMESH_LLAMA_SERVER, else
+    `llama-server` on PATH; '' if none of them names an executable file. An explicit choice that is missing is
+    not silently replaced by another one."""
+    chosen = explicit or os.environ.get(SERVER_ENV, "")
+    return shutil.which(chosen or SERVER_NAME) or ""
 
 
 def gguf_pair(preset: str) -> tuple[Path, Path] | None:
@@ -197,7 +201,7 @@ def run_peer(server: str, preset: str, prompts: Sequence[Prompt], lengths: Seque
     """Every configuration at every thread count; {} with a reason when the binary or GGUF files are missing."""
     pair = gguf_pair(preset)
     if not server or pair is None:
-        reason = "no llama-server binary" if not server else f"no GGUF files for preset {preset} in {GGUF_DIR}"
+        reason = MISSING_SERVER if not server else f"no GGUF files for preset {preset} in {GGUF_DIR}"
         log(f"llama.cpp peer skipped: {reason}")
         return {"skipped": reason}
     runs: list[PeerRun] = []
@@ -217,15 +221,18 @@ def run_peer(server: str, preset: str, prompts: Sequence[Prompt], lengths: Seque
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(p)
-    p.add_argument("--server", default="", help=f"llama-server binary (default $SPECMESH_LLAMA_SERVER or "
-                                                f"{DEFAULT_SERVER})")
+    p.add_argument("--server", default="", help=f"llama-server binary (default: ${SERVER_ENV}, else "
+                                                f"{SERVER_NAME} on PATH)")
     p.add_argument("--preset", default="qwen", choices=sorted(GGUF_FILES))
     p.add_argument("--lengths", default="64")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--draft-max", type=int, default=0, help="--spec-draft-n-max (0 = llama.cpp's default)")
     args = p.parse_args(argv)
-    prompts = load_workload(args.workload, split_csv(args.categories), True, args.limit)
-    peer = run_peer(server_path(args.server), args.preset, prompts, [int(x) for x in split_csv(args.lengths)],
+    server = server_path(args.server)
+    if not server:
+        p.error(MISSING_SERVER)
+    prompts = load_workload(args.workload, split_csv(args.categories), True, args.limit, split_arg(args))
+    peer = run_peer(server, args.preset, prompts, [int(x) for x in split_csv(args.lengths)],
                     [int(x) for x in split_csv(args.threads)], args.draft_max)
     print(json.dumps(peer.get("summary", peer), indent=1))
     return 0 if "summary" in peer else 1

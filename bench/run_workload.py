@@ -33,6 +33,7 @@ from bench.common import (
     pyplot,
     result_paths,
     run_metadata,
+    split_arg,
     split_csv,
     stack_addr,
     timed_request,
@@ -168,7 +169,8 @@ def plot(summary: dict[str, dict[str, Any]], path: Path, title: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     meta = run_metadata(args)
-    prompts = load_workload(args.workload, split_csv(args.categories), args.dedupe, args.limit)
+    prompts = load_workload(args.workload, split_csv(args.categories), args.dedupe, args.limit,
+                            split_arg(args))
     log(f"{len(prompts)} prompts, max_new_tokens {args.max_new_tokens}, draft length {args.num_draft_tokens}")
     with stack_addr(args) as addr:
         pairs = asyncio.run(run_all(addr, prompts, args))

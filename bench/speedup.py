@@ -3,6 +3,7 @@
   stack arms (one verifier + one draft service, the draft link through a WAN-emulating proxy, bench/wan_proxy.py;
   fixed draft length k; each arm with settings of its own gets its own gateway on the same services):
     target      target-only decoding through the stack (num_draft_tokens=0)
+    defaults    the gateway as it ships (its own tiers, adaptive k and prefetch; requests leave k to it)
     sequential  draft model only, no prefetch: k draft steps, then one verify (SPECMESH_GATEWAY_DRAFT_PREFETCH=0)
     overlap     sequential + SPECMESH_GATEWAY_OVERLAP=1 (drafting overlapped with verification)
     tree        sequential + SPECMESH_GATEWAY_DRAFT_TREE_WIDTH=2 (token trees)
@@ -23,6 +24,8 @@
         --long-arms all --b-arms target,sequential,all --max-repeats 2 --peer-lengths 64 --hf-limit 1   # 16 min here
 
 Every stack output must equal the same layout's target-only output token for token (failures: `!!!`, exit code 1).
+The tuning and the held-out evaluation prompts (the workload's `split`) are also reported apart, per category and
+overall, with issue 23's goals for the `defaults` arm (bench/speedup_split.py).
 Whether the peers' speculative outputs equal their own target-only outputs is reported. Writes
 bench/results/speedup-*.json and a PNG (speedup per category per arm, layouts side by side; tok/s vs peers), prints
 a table with ratios and one PASS/FAIL line per issue-14 goal with the term of the round model that limits it
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -55,6 +59,7 @@ from bench.common import (
     resolve_path,
     result_paths,
     run_metadata,
+    split_arg,
     split_csv,
     timed_request,
     write_json,
@@ -78,9 +83,12 @@ from bench.speedup_arms import (
 )
 from bench.speedup_goals import all_goals, format_goal
 from bench.speedup_plot import plot, print_report
-from bench.speedup_stats import analytic_speedup, prompt_id, summarize_arm
+from bench.speedup_split import print_split_report, split_goals, summarize_splits
+from bench.speedup_stats import analytic_bound, prompt_id, summarize_arm
 from bench.wan_proxy import WanProxy
 from gateway.verify_cost import VerifyCost
+from specmesh.config import AUTO_DTYPE
+from specmesh.engine.dtype_choice import resolve_dtype
 from specmesh.launcher import PRESETS, Stack, StackConfig
 
 Results = dict[str, list[RequestResult]]   # per arm ("model@rtt40" etc. for the sweep)
@@ -115,9 +123,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="prompts per category of the transformers peer (0 = as the stack arms)")
     p.add_argument("--peer-lengths", default="", help="lengths the peers run at ('' = all of --lengths)")
     p.add_argument("--hf-dtype", default="",
-                   help="float32, int8 or int4 (default: the verifier's SPECMESH_VERIFIER_DTYPE)")
-    p.add_argument("--llamacpp", default="auto", help="llama-server binary, 'auto' (bench/llamacpp_peer.py's "
-                                                      "default locations) or 'off'")
+                   help="float32, int8, int4 or auto (default: the verifier's SPECMESH_VERIFIER_DTYPE, else auto)")
+    p.add_argument("--llamacpp", default="auto", help="llama-server binary, 'auto' ($SPECMESH_LLAMA_SERVER, "
+                                                      "else llama-server on PATH; skipped if neither) or 'off'")
     p.add_argument("--llamacpp-draft-max", type=int, default=0, help="--spec-draft-n-max (0 = llama.cpp default)")
     p.add_argument("--verify-token-cost", type=float, default=0.1,
                    help="verify cost of one extra token in target steps, for the goal breakdown (~15/150 ms on CPU)")
@@ -152,7 +160,7 @@ def select_prompts(args: argparse.Namespace, length: int) -> list[Prompt]:
     longer = length > min(args.length_list)
     categories = split_csv(args.long_categories if longer and args.long_categories else args.categories)
     return load_workload(args.workload, categories, True,
-                         prompt_cap(length, args.length_list, args.limit, args.long_limit))
+                         prompt_cap(length, args.length_list, args.limit, args.long_limit), split_arg(args))
 
 
 # ------------------------------------------------------------------------------------------------- stack arms
@@ -165,8 +173,7 @@ async def run_arm(arm: str, addr: str, prompt: Prompt, max_new_tokens: int,
     tenant = fresh_tenant()
     out = []
     for ask in range(asks):
-        ask_prompt = prompt if asks == 1 else Prompt(f"{prompt.id}#{ask}", prompt.category, prompt.prompt,
-                                                     prompt.system, prompt.repeat)
+        ask_prompt = prompt if asks == 1 else dataclasses.replace(prompt, id=f"{prompt.id}#{ask}")
         out.append(await timed_request(addr, make_request(ask_prompt, max_new_tokens, k), ask_prompt, arm, tenant))
     return out
 
@@ -287,17 +294,6 @@ def check(runs: dict[str, Results]) -> list[dict[str, Any]]:
     return problems
 
 
-def bound(summary: dict[str, Any], c: float, g: int, arm: str) -> dict[str, Any]:
-    """Measured speedup of one arm against the geometric analytic bound for its measured a and the in-process c."""
-    if arm not in summary or not c:
-        return {}
-    a = summary[arm]["overall"]["pooled_acceptance"]
-    limit = analytic_speedup(a, g, c)
-    measured = summary[arm]["overall"]["speedup"]["decode_median"]
-    return {"arm": arm, "a": a, "g": g, "c": c, "bound": limit, "measured_decode_median": measured,
-            "fraction_of_bound": measured / limit if limit else 0.0}
-
-
 def streams_section(path: str) -> dict[str, Any]:
     """8-stream / 1-stream aggregate tok/s of the speculative mode from a bench.concurrency result."""
     if not path:
@@ -328,7 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     meta = run_metadata(args)
     env = parse_env(args.env)
-    dtype = args.hf_dtype or env.get("SPECMESH_VERIFIER_DTYPE", "float32")
+    requested = args.hf_dtype or env.get("SPECMESH_VERIFIER_DTYPE", AUTO_DTYPE)
+    dtype = resolve_dtype(requested, PRESETS[args.preset][0]).dtype  # as the verifier resolves it
     prompts = prompts_by_length(args)
     layouts = [LAYOUTS[name] for name in split_csv(args.layouts)]
     log(f"prompts per length {({n: len(p) for n, p in prompts.items()})}, k {args.num_draft_tokens}, dtype {dtype}, "
@@ -362,21 +359,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             log(f"transformers {r['mode']} t{r['threads']} @{r['max_new_tokens']} {r['prompt_id']}: differs from "
                 f"transformers target-only at token {r['mismatch_at']}")
     summary = summarize_runs(runs, max(args.num_draft_tokens, args.adaptive_max_k))
+    splits = summarize_splits(runs, {p.id: p.split for p in all_prompts}, max(args.num_draft_tokens,
+                                                                               args.adaptive_max_k))
     hf = hf_summaries(hf_runs)
     c_of = cost_ratio(hf, layouts, summary)
     report = {"meta": meta, "hf_dtype": dtype, "layouts": {lay.name: lay.description for lay in layouts},
               "not_run": not_run, "summary": summary, "hf": hf, "cost_ratio": c_of, "llamacpp": peer,
-              "analytic": {key: bound(s, c_of.get(key.split("/")[0], 0.0), args.num_draft_tokens, arm)
+              "analytic": {key: analytic_bound(s, c_of.get(key.split("/")[0], 0.0), args.num_draft_tokens, arm)
                            for key, s in summary.items() for arm in ["sequential"] if arm in s},
               "streams": streams_section(args.streams_json), "concurrency_command": concurrency_command(args),
-              "problems": problems,
+              "problems": problems, "splits": splits,
               "requests": {key: {arm: [r.to_json() for r in rs] for arm, rs in results.items()}
                            for key, results in runs.items()}, "hf_runs": hf_runs}
-    report["goals"] = all_goals(report, VerifyCost(args.verify_token_cost, args.verify_free_tokens))
+    verify = VerifyCost(args.verify_token_cost, args.verify_free_tokens)
+    report["goals"], report["split_goals"] = all_goals(report, verify), split_goals(splits, c_of, verify)
     print_report(report)
     print("\ngoals (issue 14):")
     for goal in report["goals"]:
         print(format_goal(goal))
+    print_split_report(splits, report["split_goals"])
     if not report["streams"]:
         print(f"8-stream aggregate vs 1 stream: not in this run; measure with `{report['concurrency_command']}` "
               f"and pass its JSON as --streams-json")

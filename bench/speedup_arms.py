@@ -17,8 +17,20 @@ TREE = {"SPECMESH_GATEWAY_DRAFT_TREE_WIDTH": "2"}
 # the suffix-tree proposer replaces the cache + n-gram tiers: those tiers on, so the proposer is consulted
 SUFFIX = {"SPECMESH_GATEWAY_SUFFIX_DRAFTING": "1", "SPECMESH_GATEWAY_ENABLE_NGRAM": "1",
           "SPECMESH_GATEWAY_ENABLE_CACHE": "1"}
+
+
+def gateway_defaults() -> dict[str, str]:
+    """BASE_ENV's settings at the gateway's own defaults: the drafting configuration a user gets out of the box."""
+    from specmesh.config import GatewayConfig
+
+    config = GatewayConfig()
+    values = {key: getattr(config, key.removeprefix("SPECMESH_GATEWAY_").lower()) for key in BASE_ENV}
+    return {key: ("1" if value else "0") if isinstance(value, bool) else str(value) for key, value in values.items()}
+
+
 ARM_ENV: dict[str, dict[str, str]] = {
     "target": {}, "model": {},
+    "defaults": gateway_defaults(),     # the gateway as it ships (tiers, adaptive k, prefetch as configured there)
     "tiers": {"SPECMESH_GATEWAY_ENABLE_NGRAM": "1", "SPECMESH_GATEWAY_ENABLE_CACHE": "1"},
     "adaptive": {"SPECMESH_GATEWAY_ADAPTIVE_DRAFT_LENGTH": "1"},
     # the same without the gateway's learned priors: every request learns its costs and acceptance from nothing
@@ -40,7 +52,7 @@ ARM_K: dict[str, int] = {"sequential-k4": 4}
 # Arms with a draft service of their own (same model, other settings), reached through a proxy of their own.
 ARM_DRAFT_ENV: dict[str, dict[str, str]] = {"head-32k": {"SPECMESH_DRAFT_HEAD_VOCAB": "32768"}}
 # Arms whose asks of a repeated (FAQ) prompt go `repeat` times under one tenant (their drafters learn across asks).
-REPEAT_ARMS = ("tiers", "suffix", "all", "suffix-cold")
+REPEAT_ARMS = ("tiers", "suffix", "all", "suffix-cold", "defaults")
 # GatewayConfig fields an arm needs; without them the services ignore the env var and the arm would only repeat
 # the sequential arm, so it is not run and is reported as n/a.
 ARM_FEATURES: dict[str, tuple[str, ...]] = {
@@ -49,7 +61,7 @@ ARM_FEATURES: dict[str, tuple[str, ...]] = {
     "adaptive-cold": ("learned_priors",), "suffix-cold": ("suffix_drafting", "learned_priors"),
 }
 STACK_ARMS = tuple(ARM_ENV)
-DEFAULT_ARMS = ("target", "sequential", "overlap", "tree", "suffix", "all")
+DEFAULT_ARMS = ("target", "defaults", "sequential", "overlap", "tree", "suffix", "all")
 SPEC_ARMS = tuple(a for a in STACK_ARMS if a != "target")
 
 
@@ -58,11 +70,13 @@ def missing_features(arm: str, config_fields: set[str]) -> list[str]:
     return [f for f in ARM_FEATURES.get(arm, ()) if f not in config_fields]
 
 
-def arm_k(arm: str, num_draft_tokens: int, adaptive_max_k: int) -> int:
-    """The draft length an arm's requests ask for: 0 for target-only, an ARM_K arm's own, the adaptive arms' cap,
-    else --num-draft-tokens."""
+def arm_k(arm: str, num_draft_tokens: int, adaptive_max_k: int) -> int | None:
+    """The draft length an arm's requests ask for: 0 for target-only, None for `defaults` (a request that leaves it
+    to the gateway, as a client does), an ARM_K arm's own, the adaptive arms' cap, else --num-draft-tokens."""
     if arm == "target":
         return 0
+    if arm == "defaults":
+        return None
     return ARM_K.get(arm) or (adaptive_max_k if arm.startswith("adaptive") else num_draft_tokens)
 
 

@@ -46,6 +46,17 @@ def analytic_speedup(a: float, g: int, c: float) -> float:
     return tokens_per_round / (g * c + 1)
 
 
+def analytic_bound(summary: dict[str, Any], c: float, g: int, arm: str) -> dict[str, Any]:
+    """Measured speedup of one arm against the geometric analytic bound for its measured a and the in-process c."""
+    if arm not in summary or not c:
+        return {}
+    a = summary[arm]["overall"]["pooled_acceptance"]
+    limit = analytic_speedup(a, g, c)
+    measured = summary[arm]["overall"]["speedup"]["decode_median"]
+    return {"arm": arm, "a": a, "g": g, "c": c, "bound": limit, "measured_decode_median": measured,
+            "fraction_of_bound": measured / limit if limit else 0.0}
+
+
 def prompt_id(result: RequestResult) -> str:
     """The workload prompt a request asked (a repeated ask's id carries a `#k` suffix)."""
     return result.id.split("#")[0]

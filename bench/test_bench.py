@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +63,10 @@ def test_workload_dedupes_repeated_prompts_by_default(tmp_path: Path) -> None:
     assert all(p.messages[0] == ("system", p.system) for p in repeated)
 
 
-def test_workload_limit_is_per_category_and_categories_filter() -> None:
+def test_workload_limit_is_per_category_and_split_and_categories_filter() -> None:
     limited = load_workload(DEFAULT_WORKLOAD, limit=1)
-    assert len(limited) == len({p.category for p in limited}) == len({p.category for p in load_workload(
-        DEFAULT_WORKLOAD)})
+    assert len(limited) == len({(p.split, p.category) for p in limited}) == len(
+        {(p.split, p.category) for p in load_workload(DEFAULT_WORKLOAD)})
     assert {p.category for p in load_workload(DEFAULT_WORKLOAD, ["code"])} == {"code"}
 
 
@@ -368,8 +369,10 @@ def test_speedup_prompt_selection_per_length_and_for_the_peers() -> None:
     args = speedup.parse_args(["--lengths", "64,256", "--limit", "2", "--long-limit", "1", "--long-categories",
                                "chat,code", "--peer-lengths", "64"])
     prompts = speedup.prompts_by_length(args)
-    assert len(prompts[64]) == 2 * len({p.category for p in load_workload(DEFAULT_WORKLOAD)})
-    assert [p.category for p in prompts[256]] == ["chat", "code"]
+    groups = Counter((p.split, p.category) for p in load_workload(DEFAULT_WORKLOAD))
+    assert len(prompts[64]) == sum(min(2, n) for n in groups.values())      # --limit per category and split
+    assert [(p.split, p.category) for p in prompts[256]] == [("tune", "chat"), ("tune", "code"), ("eval", "chat"),
+                                                             ("eval", "code")]
     peers = speedup.peer_prompts(prompts, args, limit=1)
     assert list(peers) == [64] and len(peers[64]) == len({p.category for p in prompts[64]})
     assert speedup.parse_args(["--max-new-tokens", "16"]).length_list == [16]
@@ -390,5 +393,5 @@ def test_guess_gain_decodes_the_same_tokens_with_and_without_guesses(capsys) -> 
     from bench import guess_gain
 
     assert guess_gain.main(["--preset", "tiny-target", "--dtype", "int8", "--max-new-tokens", "12", "--limit", "1",
-                            "--categories", "code,code-edit"]) == 0
+                            "--categories", "code,code-edit", "--split", "tune"]) == 0
     assert "identical" in capsys.readouterr().out

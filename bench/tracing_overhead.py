@@ -22,7 +22,7 @@ from pathlib import Path
 from specmesh import client
 from specmesh.launcher import PRESETS, Stack, StackConfig
 
-WORKLOAD = Path("/work/shared/bench/workload.jsonl")
+WORKLOAD = Path(__file__).resolve().parent / "workload.jsonl"
 FALLBACK_PROMPTS = ["The quick brown fox", "def fibonacci(n):\n    return", "Once upon a time, in a city on a hill"]
 
 

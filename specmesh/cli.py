@@ -12,11 +12,13 @@ import signal
 import sys
 import tempfile
 import time
+from typing import NoReturn
 
 import grpc
 
 from specmesh import __version__, client
-from specmesh.config import DraftConfig, GatewayConfig, VerifierConfig, load_config
+from specmesh.config import DTYPE_CHOICES, DraftConfig, GatewayConfig, VerifierConfig, load_config
+from specmesh.engine.dtype_choice import DtypeChoice, resolve_dtype
 from specmesh.launcher import PRESETS, PortInUseError, Stack, StackConfig, StartError
 from specmesh.models.catalog import ModelRefError, check_model_ref
 from specmesh.models.commands import add_models_parser
@@ -32,7 +34,15 @@ class CliError(Exception):
     """An error whose message is already what the user should read."""
 
 
-def _stack_config(args: argparse.Namespace) -> StackConfig:
+class OneLineParser(argparse.ArgumentParser):
+    """Usage errors are one line too (`error: specmesh up: argument --dtype: invalid choice: ...`), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _stack_config(args: argparse.Namespace) -> tuple[StackConfig, list[str]]:
+    """The stack to start, and the numerics each model service will run with and why (to say at start)."""
     target, draft = PRESETS[args.preset]
     target, draft = args.target or target, "" if args.no_draft else (args.draft or draft)
     for ref in (target, draft):
@@ -40,10 +50,24 @@ def _stack_config(args: argparse.Namespace) -> StackConfig:
             check_model_ref(ref)
     trace = args.trace if args.trace is not None else bool(args.trace_file)
     trace_file = (args.trace_file or DEFAULT_TRACE_FILE) if trace else ""
+    dtypes = _dtypes(args.dtype, target, draft)
     return StackConfig(target=target, draft=draft, host=args.host, gateway_port=args.port,
                        verifier_port=args.verifier_port, draft_port=args.draft_port, num_threads=args.threads,
                        http_port=args.http_port, metrics_port=args.metrics_port, trace_file=trace_file,
-                       extra_env=_telemetry_env(args.metrics_port, trace_file))
+                       extra_env=_telemetry_env(args.metrics_port, trace_file),
+                       verifier_dtype=dtypes["verifier"].dtype,
+                       draft_dtype=dtypes["draft"].dtype if draft else ""), [c.describe(w) for w, c in dtypes.items()]
+
+
+def _dtypes(flag: str | None, target: str, draft: str) -> dict[str, DtypeChoice]:
+    """The numerics of verifier and draft service (--dtype, else each one's SPECMESH_*_DTYPE, else auto), resolved
+    here once, so `up` and `demo` can say them: `verifier dtype int4 (auto: int4 kernel built for AVX-512 VNNI)`."""
+    requested = {"verifier": flag or load_config(VerifierConfig, "verifier").engine.dtype,
+                 "draft": flag or load_config(DraftConfig, "draft").engine.dtype}
+    chosen = {"verifier": resolve_dtype(requested["verifier"], target)}
+    if draft:
+        chosen["draft"] = resolve_dtype(requested["draft"], draft)
+    return chosen
 
 
 def _telemetry_env(metrics_port: int, trace_file: str) -> dict[str, str]:
@@ -88,6 +112,11 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
                    help=f"the span file; implies --trace (env SPECMESH_GATEWAY_TRACE_FILE; default "
                         f"{DEFAULT_TRACE_FILE})")
     p.add_argument("--threads", type=int, default=1, help="torch threads per model service (default %(default)s)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                   help="numerics of both model services: auto = the fastest batch-invariant kind this CPU runs (int4 "
+                        "where its kernel builds, else int8, else float32; float32 for the tiny presets); int4, int8 "
+                        "and float32 all keep greedy speculation exact (env SPECMESH_VERIFIER_DTYPE / "
+                        f"SPECMESH_DRAFT_DTYPE; default {verifier.engine.dtype})")
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -165,7 +194,9 @@ def _print_up(stack: Stack) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    stack = Stack(_stack_config(args))
+    config, dtypes = _stack_config(args)
+    print("\n".join(dtypes), flush=True)
+    stack = Stack(config)
     _start(stack)
     _print_up(stack)
     stopped = False
@@ -193,9 +224,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         from specmesh.models.real_pair import fetch_real_pair
 
         fetch_real_pair()
-    stack = Stack(_stack_config(args))
+    config, dtypes = _stack_config(args)
+    stack = Stack(config)
     print(f"starting verifier ({stack.config.target}), draft ({stack.config.draft or 'off'}) and gateway...",
-          file=sys.stderr, flush=True)
+          *dtypes, sep="\n", file=sys.stderr, flush=True)
     _start(stack)
     try:
         return asyncio.run(print_stream(stack.config.gateway_addr, request_from_args(args)))
@@ -235,7 +267,7 @@ def _add_trace_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specmesh", description=__doc__,
+    parser = OneLineParser(prog="specmesh", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"specmesh {__version__}")
     parser.add_argument("--debug", action="store_true", help="show Python tracebacks instead of one-line errors")

@@ -9,11 +9,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, TypeVar, get_type_hints
+from typing import Any, NoReturn, TypeVar, get_type_hints
 
 T = TypeVar("T")
+
+AUTO_DTYPE = "auto"
+DTYPE_CHOICES = (AUTO_DTYPE, "int4", "int8", "float32", "bfloat16", "float16")
+"""auto: the fastest batch-invariant numerics the CPU runs (specmesh/engine/dtype_choice.py); int4, int8, float32
+keep greedy speculation exact; bfloat16 / float16 are not batch-invariant (README: numerics)."""
+CHOICES: dict[str, tuple[str, ...]] = {"dtype": DTYPE_CHOICES}
+"""Fields whose value must be one of a few names, checked where the value is read (env or flag)."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +46,7 @@ class TlsConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "tiny-target"         # HF directory, .gguf file, or a preset (see `specmesh models list`)
-    dtype: str = "float32"             # float32, int8 or int4: each keeps greedy speculation exact (README: numerics)
+    dtype: str = AUTO_DTYPE            # auto (int4, else int8, else float32), int4, int8 or float32: all exact
     forward: str = "specmesh"          # "specmesh": its own Qwen2 forward where it applies; "transformers": theirs
     num_threads: int = 1               # torch threads for this service
     num_threads_max: int = 0           # > num_threads: steps of >= max_threads_min_tokens tokens use this many threads
@@ -87,7 +95,7 @@ class DraftConfig:
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 50051
-    http_port: int = 0                     # OpenAI-compatible HTTP API (gateway/openai_http.py); 0 = off
+    http_port: int = 8000                  # OpenAI-compatible HTTP API (gateway/openai_http.py); 0 = off
     api_keys: str = ""                     # comma-separated KEY or KEY:TENANT for `authorization: Bearer`; "" = open
     api_keys_file: str = ""                # file with one KEY or KEY:TENANT per line (e.g. a mounted secret)
     verifier_addr: str = "127.0.0.1:50061"  # comma-separated replicas: a session starts on the first that takes it
@@ -126,10 +134,18 @@ class GatewayConfig:
     tls: TlsConfig = TlsConfig()
 
 
-def _convert(value: str, typ: Any) -> Any:
+def _convert(value: str, typ: Any, leaf: str = "") -> Any:
     if typ is bool:
         return value.lower() in ("1", "true", "yes", "on")
+    if leaf in CHOICES and value not in CHOICES[leaf]:
+        raise ValueError(f"choose from {', '.join(CHOICES[leaf])}")
     return typ(value)
+
+
+def config_error(message: str) -> NoReturn:
+    """A bad setting: one line on stderr, exit code 2 (as for a bad flag), no traceback."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def _flat_fields(cls: type, prefix: str = "") -> list[tuple[str, Any]]:
@@ -157,12 +173,26 @@ def _build(cls: type[T], values: Mapping[str, Any], base: T) -> T:
     return dataclasses.replace(base, **changes)  # type: ignore[type-var]
 
 
+SERVICE_MODULES = {"verifier": "verifier_service", "draft": "draft_service", "gateway": "gateway"}
+
+
+def _dotted_value(config: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
+
+
 def load_config(cls: type[T], service: str, argv: Sequence[str] | None = None,
                 env: Mapping[str, str] | None = None, base: T | None = None) -> T:
     """Defaults <- SPECMESH_<SERVICE>_<FIELD> environment <- --field command-line flags."""
     env = os.environ if env is None else env
     base = cls() if base is None else base
-    parser = argparse.ArgumentParser(prog=f"specmesh {service}")
+    from specmesh.config_help import flag_help
+
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {SERVICE_MODULES.get(service, service)}",
+        description=f"Runs the specmesh {service}. Every flag is also the environment variable named in its help; "
+                    "flags win over the environment, which wins over the defaults shown.")
     values: dict[str, Any] = {}
     types = dict(_flat_fields(cls))
     for dotted, typ in types.items():
@@ -170,15 +200,18 @@ def load_config(cls: type[T], service: str, argv: Sequence[str] | None = None,
         env_name = f"SPECMESH_{service.upper()}_{leaf.upper()}"
         if env_name in env:
             try:
-                values[dotted] = _convert(env[env_name], typ)
+                values[dotted] = _convert(env[env_name], typ, leaf)
             except ValueError as exc:
-                raise SystemExit(f"invalid value for {env_name}: {env[env_name]!r} ({exc})") from None
-        parser.add_argument(f"--{leaf.replace('_', '-')}", dest=dotted, default=None, help=f"env {env_name}")
+                config_error(f"invalid value for {env_name}: {env[env_name]!r} ({exc})")
+        parser.add_argument(f"--{leaf.replace('_', '-')}", dest=dotted, default=None,
+                            metavar="0|1" if typ is bool else "|".join(CHOICES.get(leaf, ())) or leaf.upper(),
+                            help=flag_help(cls, dotted, env_name, _dotted_value(base, dotted)))
     if argv is not None:
         for dotted, raw in vars(parser.parse_args(list(argv))).items():
             if raw is not None:
+                leaf = dotted.rsplit(".", 1)[-1]
                 try:
-                    values[dotted] = _convert(raw, types[dotted])
+                    values[dotted] = _convert(raw, types[dotted], leaf)
                 except ValueError as exc:
-                    parser.error(f"--{dotted.rsplit('.', 1)[-1]}: {exc}")
+                    config_error(f"--{leaf.replace('_', '-')}: {raw!r} ({exc})")
     return _build(cls, values, base)

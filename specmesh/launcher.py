@@ -41,11 +41,13 @@ class StackConfig:
     verifier_threads: int = 0      # torch threads of the verifier (0 = num_threads)
     extra_env: Mapping[str, str] = field(default_factory=dict)
     draft_link_addr: str = ""      # where gateways dial the draft service ("" = draft_port; e.g. a WAN proxy)
-    http_port: int = 0             # gateway's OpenAI-compatible HTTP API; 0 = off
+    http_port: int = 0             # gateway's OpenAI-compatible HTTP API; 0 = off (`specmesh up` passes 8000)
     metrics_port: int = 0          # /metrics: gateway on this port, verifier +1, draft +2; 0 = off
     trace_file: str = ""           # JSON-lines span file shared by the three services; "" = off
     taskset: Mapping[str, str] = field(default_factory=dict)  # child name -> `taskset -c` cpu list (e.g. pinning)
     nice: Mapping[str, int] = field(default_factory=dict)     # child name -> `nice -n` increment (e.g. benchmarks)
+    verifier_dtype: str = ""       # SPECMESH_VERIFIER_DTYPE for the verifier; "" = its own configuration (auto)
+    draft_dtype: str = ""          # SPECMESH_DRAFT_DTYPE for the draft service; "" = its own configuration
 
     @property
     def draft_addr(self) -> str:
@@ -239,6 +241,7 @@ class Stack:
             "SPECMESH_VERIFIER_MODEL": c.target, "SPECMESH_VERIFIER_HOST": c.host,
             "SPECMESH_VERIFIER_PORT": str(c.verifier_port),
             "SPECMESH_VERIFIER_NUM_THREADS": str(c.verifier_threads or c.num_threads),
+            **({"SPECMESH_VERIFIER_DTYPE": c.verifier_dtype} if c.verifier_dtype else {}),
             **self._telemetry_env("verifier")}, c.verifier_port)
         if c.draft:
             self._spawn("draft", "draft_service", {**self._draft_env(c.draft_port), **self._telemetry_env("draft")},
@@ -257,8 +260,8 @@ class Stack:
         env = {prefix + "METRICS_PORT": str(c.metrics_port_of(service))} if c.metrics_port else {}
         if c.trace_file:
             env[prefix + "TRACE_FILE"] = os.path.abspath(c.trace_file)
-        if http and c.http_port:
-            env[prefix + "HTTP_PORT"] = str(c.http_port)
+        if http and (c.http_port or prefix + "HTTP_PORT" not in c.extra_env):   # 0 said too: the gateway's own
+            env[prefix + "HTTP_PORT"] = str(c.http_port)                       # default (8000) is on
         return env
 
     def add_gateway(self, name: str, port: int, env: Mapping[str, str], timeout_s: float = 900.0,
@@ -269,6 +272,7 @@ class Stack:
         c = self.config
         backend = dial_host(c.host)
         self._spawn(name, "gateway", {
+            "SPECMESH_GATEWAY_HTTP_PORT": "0",     # extra gateways: no HTTP API unless `env` asks for one
             **env, "SPECMESH_GATEWAY_HOST": c.host, "SPECMESH_GATEWAY_PORT": str(port),
             "SPECMESH_GATEWAY_VERIFIER_ADDR": f"{backend}:{c.verifier_port}",
             "SPECMESH_GATEWAY_DRAFT_ADDR": c.draft_addr if draft_addr is None else draft_addr}, port)
@@ -283,7 +287,8 @@ class Stack:
     def _draft_env(self, port: int) -> dict[str, str]:
         c = self.config
         return {"SPECMESH_DRAFT_MODEL": c.draft, "SPECMESH_DRAFT_HOST": c.host, "SPECMESH_DRAFT_PORT": str(port),
-                "SPECMESH_DRAFT_NUM_THREADS": str(c.num_threads)}
+                "SPECMESH_DRAFT_NUM_THREADS": str(c.num_threads),
+                **({"SPECMESH_DRAFT_DTYPE": c.draft_dtype} if c.draft_dtype else {})}
 
     def exited(self) -> dict[str, int]:
         """name -> exit code of every child that is no longer running."""

@@ -19,7 +19,7 @@ from typing import Any
 
 from protos.specmesh.v1 import generate_pb2
 from specmesh import client
-from specmesh.config import DraftConfig, VerifierConfig, _flat_fields
+from specmesh.config import DTYPE_CHOICES, DraftConfig, VerifierConfig, _flat_fields
 from specmesh.launcher import StackConfig
 from specmesh.pipeline_file import Block, Entry, PipelineFile
 
@@ -48,7 +48,7 @@ def _typed(kind: type, name: str) -> Callable[[Any], str | None]:
 MODEL_KEYS: dict[str, tuple[str | None, Callable[[Any], str | None]]] = {   # key -> (EngineConfig field, check)
     "device": (None, _one_of("cpu")),
     "max_batch": ("max_num_seqs", _int(1)),
-    "dtype": ("dtype", _one_of("float32", "bfloat16", "float16")),
+    "dtype": ("dtype", _one_of(*DTYPE_CHOICES)),
     "kv_cache_mb": ("kv_cache_memory_mb", _int(1)),
     "block_size": ("block_size", _int(1)),
     "max_model_len": ("max_model_len", _int(0)),

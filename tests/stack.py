@@ -40,9 +40,11 @@ class Running:
 async def start_verifier(model: str = "tiny-target", decode_ahead_tokens: int = 0, **engine: object) -> Running:
     """decode_ahead_tokens: off unless a test asks (the service default is on): with it, a round may carry several
     target tokens, so tests that count rounds of a drafting tier or prefetch hits would depend on timing. The
-    exactness, fault, mixed-traffic and fuzz tests turn it on."""
+    exactness, fault, mixed-traffic and fuzz tests turn it on. float32 unless a test asks (not the service's "auto"):
+    the outputs are compared with plain transformers greedy decoding (reference_greedy)."""
     config = VerifierConfig(port=0, decode_ahead_tokens=decode_ahead_tokens,
-                            engine=dataclasses.replace(EngineConfig(model=model, kv_cache_memory_mb=16), **engine))
+                            engine=dataclasses.replace(EngineConfig(model=model, kv_cache_memory_mb=16,
+                                                                    dtype="float32"), **engine))
     server, eng = build_verifier(config)
     return Running(server, await server.start("127.0.0.1", 0), eng)
 
@@ -50,7 +52,8 @@ async def start_verifier(model: str = "tiny-target", decode_ahead_tokens: int = 
 async def start_draft(model: str = "tiny-draft", draft_ahead: bool = True, head_vocab: int = 0,
                       **engine: object) -> Running:
     config = DraftConfig(port=0, draft_ahead=draft_ahead, head_vocab=head_vocab,
-                         engine=dataclasses.replace(EngineConfig(model=model, kv_cache_memory_mb=16), **engine))
+                         engine=dataclasses.replace(EngineConfig(model=model, kv_cache_memory_mb=16,
+                                                                 dtype="float32"), **engine))
     server, eng = build_draft(config)
     return Running(server, await server.start("127.0.0.1", 0), eng)
 

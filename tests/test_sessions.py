@@ -327,7 +327,7 @@ async def test_sessions_of_a_sigkilled_gateway_expire(leased) -> None:
     port = free_port()
     gateway = subprocess.Popen(
         [sys.executable, "-m", "gateway", "--port", str(port), "--verifier-addr", verifier.addr,
-         "--draft-addr", draft.addr, "--enable-cache", "0", "--enable-ngram", "0"],
+         "--draft-addr", draft.addr, "--enable-cache", "0", "--enable-ngram", "0", "--http-port", "0"],
         env={**os.environ}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         await asyncio.to_thread(wait_serving, f"127.0.0.1:{port}", 120, gateway)

@@ -17,12 +17,15 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 
 from draft_service.server import build_draft
-from protos.specmesh.v1 import common_pb2, generate_pb2_grpc
+from gateway.health import VerifierWatch
+from protos.specmesh.v1 import common_pb2, generate_pb2_grpc, verifier_pb2_grpc
 from specmesh import cli, client
+from specmesh.channels import internal_channel
 from specmesh.config import DraftConfig, EngineConfig, TelemetryConfig, VerifierConfig
 from specmesh.telemetry.span_file import JsonLinesSpanExporter, span_to_dict
 from specmesh.telemetry.tracing import add_exporter
 from tests.stack import Running, start_gateway
+from tests.test_metric_help import bad_help
 from verifier_service.server import build_verifier
 
 PROMPT = "Speculative decoding splits work between a small draft model and"
@@ -145,6 +148,29 @@ async def test_one_trace_per_generation_with_every_hop_and_round(stack) -> None:
     assert all(f["parent_span_id"] is None and f["trace_id"] != responses[0].request_id for f in forwards)
 
 
+async def test_idle_health_probes_make_no_spans_while_a_request_still_makes_its_trace(stack) -> None:
+    memory = stack["memory"]
+    memory.clear()
+    channel = internal_channel(stack["verifier"].addr)       # intercepted, as the gateway's own channels
+    try:
+        watch = VerifierWatch([verifier_pb2_grpc.VerifierStub(channel)], [stack["verifier"].addr], _ignore,
+                              timeout_s=60.0)                # a loaded machine must not turn a probe into a failure
+        for _ in range(5):                    # five seconds of an idle gateway's probing, without the waits
+            await watch.probe_once()
+        assert watch.failures == [0]
+    finally:
+        await channel.close()
+    # (other tests' asynchronous EndSession calls may still end now: only the probes' own spans are looked for)
+    assert [s.name for s in memory.get_finished_spans() if "GetModelInfo" in s.name] == []
+    responses = await generate(stack["gateway"].addr)
+    spans = await spans_after_cleanup(memory)
+    assert GENERATE in {s["name"] for s in spans if s["trace_id"] == responses[0].request_id}
+    assert not [s for s in spans if "GetModelInfo" in s["name"]]
+
+
+async def _ignore(serving: bool) -> None: ...
+
+
 async def test_concurrent_requests_get_their_own_traces_and_share_batches(stack, monkeypatch) -> None:
     memory = stack["memory"]
     memory.clear()
@@ -186,6 +212,19 @@ def scrape(running: Running) -> dict[str, float]:
             if "le" not in sample.labels:
                 out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return out
+
+
+async def test_every_served_metric_help_says_what_it_counts(stack) -> None:
+    await generate(stack["gateway"].addr)
+    families = []
+    for name in ("gateway", "verifier", "draft"):
+        port = stack[name].server.metrics.port
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            families += [(f.name, f.documentation) for f in text_string_to_metric_families(reply.read().decode())
+                         if f.name.startswith("specmesh_")]
+    assert {"specmesh_draft_guessed", "specmesh_verifier_ahead_tokens", "specmesh_round_outcomes_rounds"} <= {
+        name for name, _ in families}
+    assert bad_help(families) == []
 
 
 async def test_metrics_parse_and_move_after_a_generation(stack) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,7 @@ import torch
 
 from specmesh.config import EngineConfig
 from specmesh.engine.block_manager import BlockManager
+from specmesh.engine.dtype_choice import resolve_dtype
 from specmesh.engine.int4_linear import quantize_linears_int4
 from specmesh.engine.int8_linear import quantize_linears
 from specmesh.engine.model_runner import ModelRunner, kv_cache_geometry
@@ -38,7 +40,11 @@ class EngineParts:
 
 
 def build_engine_parts(config: EngineConfig, head_vocab: int = 0) -> EngineParts:
-    """head_vocab > 0 (draft models only): restrict the LM head to that many token ids (see vocab_head)."""
+    """head_vocab > 0 (draft models only): restrict the LM head to that many token ids (see vocab_head).
+    dtype "auto" becomes the fastest batch-invariant numerics this CPU runs (dtype_choice), logged with why."""
+    choice = resolve_dtype(config.dtype, config.model)
+    log.info("%s", choice.describe(config.model))
+    config = dataclasses.replace(config, dtype=choice.dtype)
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
     if config.forward not in FORWARDS:

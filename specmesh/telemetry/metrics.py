@@ -36,7 +36,9 @@ class GatewayMetrics:
                              buckets=TOKEN_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("specmesh_request_duration_seconds", "End-to-end latency of finished requests",
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("specmesh_prompt_tokens", "Prompt tokens received", registry=r)
+        self.prompt_tokens = Counter("specmesh_prompt_tokens",
+                                     "Prompt tokens of the requests that started generating (after the chat template)",
+                                     registry=r)
         self.generation_tokens = Counter("specmesh_generation_tokens", "Tokens returned to clients", registry=r)
         self.requests = Counter("specmesh_requests", "Finished requests by finish reason", ["finish_reason"],
                                 registry=r)
@@ -44,7 +46,8 @@ class GatewayMetrics:
                               registry=r)
         self.draft_tokens = Counter("specmesh_draft_tokens", "Draft tokens sent for verification", ["source"],
                                     registry=r)
-        self.accepted_tokens = Counter("specmesh_draft_accepted_tokens", "Draft tokens accepted", ["source"],
+        self.accepted_tokens = Counter("specmesh_draft_accepted_tokens",
+                                       "Draft tokens the verifier accepted, by draft source", ["source"],
                                        registry=r)
         self.position_drafted = Counter("specmesh_draft_position_drafted_tokens",
                                         "Rounds with a draft token at this 0-based position", ["position"],
@@ -102,6 +105,49 @@ class SessionMetrics:
                                registry=registry)
 
 
+# HELP of every counter family StatsCollector exposes (plain-int stats of gateway/tier_stats.py, kvstore's
+# CacheCounters, gateway/round_outcomes.py, verifier_service/decode_ahead.py and the draft engine's guesses).
+STATS_HELP: dict[str, str] = {
+    "specmesh_draft_tier_hits": "Rounds in which this drafting tier (cache, ngram, model) supplied the draft",
+    "specmesh_draft_tier_misses": "Rounds in which this drafting tier was asked for a draft and had none",
+    "specmesh_draft_tier_drafted_tokens": "Draft tokens this drafting tier proposed for verification",
+    "specmesh_draft_tier_accepted_tokens": "Draft tokens of this drafting tier the verifier accepted",
+    "specmesh_draft_link_bytes": "Serialized bytes on the gateway's draft link: Propose requests sent to the draft "
+                                 "service, responses received from it (direction)",
+    "specmesh_drafting_prefetch_sent": "Next-block Propose calls the gateway sent while the verifier worked",
+    "specmesh_drafting_prefetch_hits": "Prefetched blocks whose guess came true: rounds drafted without waiting on "
+                                       "the draft link",
+    "specmesh_drafting_tree_drafts": "Suffix drafting: rounds drafted as a token tree (branches, or model + suffix)",
+    "specmesh_drafting_cache_store_lookups": "Reads of the draft cache (in-process or Redis)",
+    "specmesh_drafting_cache_store_hits": "Draft-cache reads that found a verified continuation",
+    "specmesh_drafting_cache_store_errors": "Failed draft-cache reads or write batches (store down, timeout)",
+    "specmesh_drafting_cache_store_records": "Verified continuations queued for writing to the draft cache",
+    "specmesh_drafting_cache_store_dropped": "Verified continuations not written to the draft cache: write queue "
+                                             "full or store unavailable",
+    "specmesh_round_outcomes_rounds": "Drafted rounds verified (the total the other round-outcome counters split)",
+    "specmesh_round_outcomes_all_accepted": "Drafted rounds whose whole main chain the target accepted",
+    "specmesh_round_outcomes_bonus_guessed": "All-accepted rounds whose bonus target token the prefetched draft "
+                                             "guessed",
+    "specmesh_round_outcomes_bonus_missed": "All-accepted rounds whose bonus target token the prefetched draft "
+                                            "did not guess",
+    "specmesh_round_outcomes_rejected_alt_hit": "Rounds where the target rejected a chain token and accepted one of "
+                                                "its tree alternatives",
+    "specmesh_round_outcomes_rejected_alt_miss": "Rounds rejected at a position with tree alternatives, none of them "
+                                                 "the target's choice",
+    "specmesh_round_outcomes_rejected_no_alt": "Rounds rejected at a position without alternatives (every rejection "
+                                               "of a plain chain)",
+    "specmesh_round_outcomes_branch_continuation_ready": "Overlap: rounds whose next drafts were prefetched after "
+                                                         "the alternative the target then took",
+    "specmesh_verifier_ahead_tokens": "Verifier decoding ahead while a session waits, by outcome: decoded (tokens), "
+                                      "delivered (of them, received by a caller), interrupted (ahead steps that gave "
+                                      "way to a verify), guessed / guess_accepted (prompt-lookup guesses run / equal "
+                                      "to the target's tokens)",
+    "specmesh_draft_guessed": "Prompt-lookup guesses run in the draft service's greedy forwards",
+    "specmesh_draft_guess_accepted": "Prompt-lookup guesses equal to the draft model's own choice (draft tokens "
+                                     "without a forward of their own)",
+}
+MISSING_HELP = "(no description: add it to STATS_HELP in specmesh/telemetry/metrics.py)"
+
 TIER_FIELDS = {"hits": "specmesh_draft_tier_hits", "misses": "specmesh_draft_tier_misses",
                "drafted": "specmesh_draft_tier_drafted_tokens", "accepted": "specmesh_draft_tier_accepted_tokens"}
 
@@ -131,7 +177,8 @@ class StatsCollector(Collector):
             for key, value in snapshot().items():
                 name, labels = _family_of(group, key)
                 if name not in families:
-                    families[name] = CounterMetricFamily(name, f"{group}: {name}", labels=sorted(labels))
+                    families[name] = CounterMetricFamily(name, STATS_HELP.get(name, f"{group} {key} {MISSING_HELP}"),
+                                                         labels=sorted(labels))
                 families[name].add_metric([labels[k] for k in sorted(labels)], value)
         yield from families.values()
 

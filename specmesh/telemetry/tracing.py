@@ -22,12 +22,14 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from specmesh.config import TelemetryConfig
 from specmesh.telemetry.span_file import JsonLinesSpanExporter
 
-UNTRACED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+# GetModelInfo is the gateway's verifier health probe (gateway/health.py, every second) and its start-up fetch; no
+# request calls it, so neither the gateway's client span nor the verifier's server span is made for it.
+UNTRACED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.", "/specmesh.v1.Verifier/GetModelInfo")
 
 
 def _traced(details: Any) -> bool:
-    """Health checks and reflection are polled constantly and belong to no request: no spans for them.
-    (A plain prefix test: the instrumentation's own service filters cost far more per call.)"""
+    """Health checks, the verifier health probe and reflection are polled constantly and belong to no request: no
+    spans for them. (A plain prefix test: the instrumentation's own service filters cost far more per call.)"""
     method = details.method
     if isinstance(method, bytes):
         method = method.decode()
