@@ -318,6 +318,16 @@ class DraftLengthController:
         per_node, net_hit = longer - base, self.alternative_hit_rate() - self.load_penalty_per_node()
         return net_hit > 0 if per_node <= 0 else net_hit / per_node > rate
 
+    def local_draft_cap(self, longest: int) -> int:
+        """A model-free draft's length (no draft compute): `longest` alone (P = 0: as before); beside other rows the
+        k <= longest with the most (E(k) - P(k)) / verify(k), 0 included (cache and n-gram rounds feed E too)."""
+        if self._other_rows <= 0 or longest <= 0:
+            return longest
+        acceptance = self.position_acceptance()
+        rates = {k: (expected_tokens(acceptance, k) - self.load_penalty(k)) / v
+                 for k in range(min(longest, self.max_k) + 1) if (v := self.verify_cost(k))}
+        return max(rates, key=lambda k: (rates[k], -k)) if rates else longest
+
     def load_penalty_per_node(self) -> float:
         """p1 = P(k + 1) - P(k): the other sessions' tokens one more verified node takes."""
         return self.load_penalty(self.k + 1) - self.load_penalty(self.k)

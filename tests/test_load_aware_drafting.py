@@ -108,6 +108,13 @@ def test_the_controller_settles_at_target_only_under_load_and_returns_when_it_li
     assert before >= 2 and after >= 1.5                     # drafting alone, and again once the others are gone
 
 
+def test_model_free_drafts_keep_their_length_alone_and_are_cut_beside_busy_rows() -> None:
+    """Cache and n-gram drafts cost no draft compute, but their rows cost the other sessions like any."""
+    assert trained(0.5, 0).local_draft_cap(12) == 12                    # alone: the tier's own length, as before
+    assert trained(0.5, 15).local_draft_cap(12) == 0
+    assert 0 < trained(0.95, 15).local_draft_cap(12) <= 8              # (at most the controller's max_k)
+
+
 def test_tree_alternatives_go_when_a_node_costs_the_others_more_than_it_hits() -> None:
     quiet, busy = trained(0.6, 0, k=4), trained(0.6, 15, k=4)
     for ctrl in (quiet, busy):
