@@ -188,7 +188,7 @@ async def test_concurrent_streams_make_the_verifier_report_rows_and_the_draft_le
     assert alone_reports and all(c.other_rows == 0 for c in alone_reports) and alone_drafted > 2.5
     assert max(c.other_rows for c in seen) >= 4                      # the load reached the controllers
     drafted = sum(_drafted_per_round(r) for _, _, r in together) / len(together)
-    assert drafted < alone_drafted
+    assert drafted < alone_drafted, (drafted, alone_drafted)
 
 
 def _drafted_per_round(responses: list) -> float:
