@@ -91,37 +91,43 @@ def stack(args: argparse.Namespace) -> Iterator[str]:
         running.stop()
 
 
-async def run_config(send_close: tuple[Any, Any], config: str, traffic: list[TrafficRequest],
-                     rates: list[float], seed: int) -> list[dict[str, Any]]:
-    """Warm-up, then the traffic at every rate (same requests, arrival times from the rate and seed)."""
-    send, close = send_close
+async def run_configs(senders: dict[str, tuple[Any, Any]], traffic: list[TrafficRequest], rates: list[float],
+                      seed: int) -> list[dict[str, Any]]:
+    """One unmeasured short request per configuration, then the traffic at every rate (same requests, arrival times
+    from the rate and seed), the configurations' order alternating between rates (drift hits all alike)."""
     rows = []
+    shortest = min(traffic, key=lambda r: r.prompt_tokens)
+    warm = TrafficRequest("warm-up", shortest.kind, shortest.messages, shortest.prompt_tokens, 4)
     try:
-        warm = TrafficRequest("warm-up", "chat", traffic[0].messages, traffic[0].prompt_tokens, 4)
-        await run_open_loop(send, [warm], [0.0], config)
-        for rate in rates:
-            results, wall = await run_open_loop(send, traffic, arrivals(len(traffic), rate, seed), config)
-            summary = summarize(results)
-            rows.append({"rate": rate, "config": config, "wall_s": wall, "summary": summary, "results": results})
-            log(f"{config:<13} {rate:6.3f} req/s: {summary['throughput_tok_s']:7.2f} tok/s, TTFT p50/p99 "
-                f"{summary['ttft_p50_s']:.2f}/{summary['ttft_p99_s']:.2f} s, ITL p50/p99 {summary['itl_p50_s']:.3f}/"
-                f"{summary['itl_p99_s']:.3f} s, longest stall {summary['max_stall_s']:.2f} s, "
-                f"{summary['errors']} errors")
+        for config, (send, _) in senders.items():
+            await run_open_loop(send, [warm], [0.0], config)
+        for i, rate in enumerate(rates):
+            for config in list(senders)[::-1 if i % 2 else 1]:
+                results, wall = await run_open_loop(senders[config][0], traffic, arrivals(len(traffic), rate, seed),
+                                                    config)
+                rows.append({"rate": rate, "config": config, "wall_s": wall, "summary": summarize(results),
+                             "results": results})
+                _log_row(rows[-1])
     finally:
-        await close()
+        for _, close in senders.values():
+            await close()
     return rows
+
+
+def _log_row(row: dict[str, Any]) -> None:
+    s = row["summary"]
+    log(f"{row['config']:<13} {row['rate']:6.3f} req/s: {s['throughput_tok_s']:7.2f} tok/s, TTFT p50/p99 "
+        f"{s['ttft_p50_s']:.2f}/{s['ttft_p99_s']:.2f} s, ITL p50/p99 {s['itl_p50_s']:.3f}/{s['itl_p99_s']:.3f} s, "
+        f"longest stall {s['max_stall_s']:.2f} s, {s['errors']} errors")
 
 
 async def run_stack(addr: str, configs: list[str], traffic: list[TrafficRequest], rates: list[float],
                     seed: int) -> list[dict[str, Any]]:
-    rows = []
-    for config in configs:
-        rows += await run_config(grpc_sender(addr, STACK_CONFIGS[config]), config, traffic, rates, seed)
-    return rows
+    return await run_configs({c: grpc_sender(addr, STACK_CONFIGS[c]) for c in configs}, traffic, rates, seed)
 
 
 async def run_peer(base_url: str, traffic: list[TrafficRequest], rates: list[float], seed: int) -> list[dict]:
-    return await run_config(http_sender(base_url), PEER, traffic, rates, seed)
+    return await run_configs({PEER: http_sender(base_url)}, traffic, rates, seed)
 
 
 def check_exact(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
