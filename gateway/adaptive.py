@@ -38,10 +38,10 @@ own measure of one more token's cost (VerifyResponse.token_cost), that is s, alw
 
 Load. When the verifier's forward also carries other sessions' rows, this session's rows take verifier time
 from them: P(k) tokens per round (gateway/verify_cost.py: n_o rows that emit E_o tokens, t(n) the forward's cost in
-one-token forwards, P(k) = E_o (t(n_o + k + 1) - t(n_o)) / t(n_o)). n_o and E_o are smoothed over the rounds'
-reports (`load_decay`; a verdict that needed no forward reports nothing). Under load this session's own verify
-grows with the forward, not with its own rows alone: verify(k) = mean_t * t(n_o + k + 1) / t(n_o + mean_k + 1)
-(mean_k the decayed mean of the drafts verified) once the verifier measured s.
+one-token forwards, P(k) = E_o (t(n_o + k + 1) - t(n_o)) / t(n_o); work queued behind the forward counts too).
+n_o and E_o are smoothed over the rounds' reports (`load_decay`; a verdict that needed no forward reports nothing).
+Under load this session's own verify grows with the forward, not with its own rows alone: verify(k) = mean_t *
+t(n_o + k + 1) / t(n_o + mean_k + 1) (mean_k the decayed mean of the drafts verified) once the verifier measured s.
 
 Choice. The aggregate throughput: the others' rate rho (k does not change it) plus this session's net rate,
 

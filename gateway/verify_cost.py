@@ -26,6 +26,11 @@ P(k) = 0 without other rows (one stream). F = 1, compute-bound, target-only neig
 session's rows costs them s / (1 + s (n_o - 1)) tokens, approaching 1 as n_o grows: a drafted row then pays only
 if it is accepted about as surely as a target-only row emits a token. Within the free rows (n_o + k + 1 <= F)
 drafts cost the others nothing.
+
+Work still queued when the forward finished (VerifyResponse.num_waiting) waited for all of it, this session's rows
+included: sessions whose verifies alternate between forwards instead of sharing one. Each such item counts as one
+more row beside this session's, worth one token (a target-only row: the least a waiting verify brings), so drafts
+are not free beside a busy verifier's queue (`reported`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,14 @@ class VerifyCost:
     forward_rows: int = 0        # rows of the forward that verified the block, all sessions (0 = no forward ran)
     other_rows: int = 0          # ... of them other sessions' (0 also from a verifier that does not report it)
     other_tokens: int = 0        # tokens the forward emitted for those other sessions
+
+
+def reported(token_cost: float, free_tokens: int, forward_rows: int, other_rows: int, other_tokens: int,
+             num_waiting: int) -> VerifyCost:
+    """The cost and load a VerifyResponse reports (free_tokens 0, from an older verifier, reads as 1); queued work
+    counts as other rows (a row and a token per item) when a forward ran."""
+    queued = num_waiting if forward_rows > 0 else 0
+    return VerifyCost(token_cost, max(1, free_tokens), forward_rows, other_rows + queued, other_tokens + queued)
 
 
 def excess_tokens(num_drafts: int, free_tokens: int) -> int:

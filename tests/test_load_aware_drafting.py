@@ -12,7 +12,7 @@ import pytest
 
 from gateway.adaptive import AdaptiveParams, DraftLengthController
 from gateway.suffix_choice import LOCAL, NONE, ProposerChoice
-from gateway.verify_cost import VerifyCost, forward_units, load_penalty
+from gateway.verify_cost import VerifyCost, forward_units, load_penalty, reported
 from specmesh.sampling import SamplingParams
 from tests.stack import start_draft, start_gateway, start_verifier
 from tests.test_e2e_greedy import PROMPTS, generate
@@ -48,6 +48,14 @@ def test_the_penalty_is_what_the_other_rows_would_have_yielded_in_that_time() ->
     assert load_penalty(2, 2, 2, S, 4) == pytest.approx(2 * S)             # the 5th row costs s, for 2 tokens
     # a row costs the others about a token as their rows grow (what a target-only row yields)
     assert load_penalty(0, 1000, 1000, S, 1) == pytest.approx(1.0, rel=0.01)
+
+
+def test_queued_work_waited_for_the_forward_and_counts_as_other_rows() -> None:
+    """Verifies that alternate between forwards share none, but the one queued behind this forward waited for it."""
+    assert reported(0.2, 0, 4, 0, 0, 0) == VerifyCost(0.2, 1, 4, 0, 0)           # alone (free_tokens 0 reads 1)
+    assert reported(0.2, 1, 4, 3, 5, 2) == VerifyCost(0.2, 1, 4, 5, 7)           # 2 queued: a row and a token each
+    assert reported(0.2, 1, 0, 0, 0, 2) == VerifyCost(0.2, 1, 0, 0, 0)           # no forward ran: no load sample
+    assert load_penalty(4, 1, 1, S, 1) - load_penalty(0, 1, 1, S, 1) == pytest.approx(4 * S)   # s a draft
 
 
 def test_one_stream_drafts_as_before() -> None:
