@@ -216,8 +216,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows += asyncio.run(run_stack(addr, stack_configs, traffic, rates, args.seed))
     server, gguf, peer = peer_section(args, configs)
     if server:
-        with running_server(server, gguf, peer["threads"], args.cpus) as base_url:
-            rows += asyncio.run(run_peer(base_url, traffic, rates, args.seed))
+        try:
+            with running_server(server, gguf, peer["threads"], args.cpus) as base_url:
+                rows += asyncio.run(run_peer(base_url, traffic, rates, args.seed))
+        except (RuntimeError, TimeoutError, OSError) as exc:     # the stack's results survive a bad peer
+            peer["failed"] = str(exc)
+            log(f"llama-server peer failed: {exc}")
     problems = check_exact(rows)
     print_table(rows)
     write_report(args, meta, traffic, rows, peer, problems, time.perf_counter() - started)
