@@ -181,13 +181,13 @@ async def test_concurrent_streams_make_the_verifier_report_rows_and_the_draft_le
         draft = await start_draft(model="tiny-target")
         gateway = await start_gateway(verifier.addr, draft.addr, adaptive_draft_length=True, learned_priors=False)
         try:
-            expected = [(await generate(gateway.addr, p, max_new_tokens=24, ignore_eos=True, num_draft_tokens=0))[0]
-                        for p in prompts]
+            expected = [ids for ids, _, _ in await asyncio.gather(*[generate(
+                gateway.addr, p, max_new_tokens=16, ignore_eos=True, num_draft_tokens=0) for p in prompts])]
             seen.clear()
-            alone = await generate(gateway.addr, prompts[0], max_new_tokens=24, ignore_eos=True, num_draft_tokens=3)
+            alone = await generate(gateway.addr, prompts[0], max_new_tokens=16, ignore_eos=True, num_draft_tokens=3)
             alone_reports, alone_drafted = list(seen), _drafted_per_round(alone[2])
             seen.clear()
-            together = await asyncio.gather(*[generate(gateway.addr, p, max_new_tokens=24, ignore_eos=True,
+            together = await asyncio.gather(*[generate(gateway.addr, p, max_new_tokens=16, ignore_eos=True,
                                                        num_draft_tokens=3) for p in prompts])
         finally:
             await gateway.stop()
