@@ -1,7 +1,8 @@
 """Adaptive draft length per session: pick the k that maximizes expected tokens per second.
 
 Pure logic on floats and ints (no gRPC, no clock): the round loop calls `next_k()` before drafting, then
-`observe(...)` with what the round measured, and `observe_load(...)` whenever the verifier reports its load.
+`observe_verify_cost(...)` with what the verifier reported about its forward (cost and load), then `observe(...)`
+with what the round measured.
 
 The model (all times in seconds)
 --------------------------------
@@ -35,33 +36,44 @@ none; F = 1 until reported, then x(k) = k). While only one x has been seen the s
 verify(k) = v0 * (1 + s * x(k)) with the prior relative slope s (`verify_rel_slope`). Once the verifier reports its
 own measure of one more token's cost (VerifyResponse.token_cost), that is s, always (gateway/verify_cost.py).
 
-Choice. k* = argmax_k E(k) / T(k) over [min_k, max_k], capped by load (below).
+Load. When the verifier's forward also carries other sessions' rows, this session's rows take verifier time
+from them: P(k) tokens per round (gateway/verify_cost.py: n_o rows that emit E_o tokens, t(n) the forward's cost in
+one-token forwards, P(k) = E_o (t(n_o + k + 1) - t(n_o)) / t(n_o); work queued behind the forward counts too).
+n_o and E_o are smoothed over the rounds' reports (`load_decay`; a verdict that needed no forward reports nothing).
+Under load this session's own verify grows with the forward, not with its own rows alone: verify(k) = mean_t *
+t(n_o + k + 1) / t(n_o + mean_k + 1) (mean_k the decayed mean of the drafts verified) once the verifier measured s.
+
+Choice. The aggregate throughput: the others' rate rho (k does not change it) plus this session's net rate,
+
+    A(k) = rho + (E(k) - P(k)) / T(k),        k* = argmax_k (E(k) - P(k)) / T(k) over [min_k, max_k]
+
+so k = 0 (target-only, which takes P(0) for its pending row) competes with every k by the same cost. One stream:
+P = 0, the rate E(k) / T(k). Many compute-bound rows and low acceptance: a drafted row costs the others about a
+token and brings this session less, so k* = 0; high acceptance still drafts. No fixed batch-size threshold: the
+verifier's measured t(n) decides.
 
 Hysteresis. k changes only when the best candidate beats the current k's predicted rate by more than `margin`
 (relative) for `patience` consecutive rounds; one outlier round cannot flip k (and is also damped by the decay).
 
 Probing. At k = 0 nothing about acceptance is learned, so every `probe_every` rounds one round drafts `probe_k`
 tokens; if the draft has become good, the estimate rises and k leaves 0. A probe costing T(probe_k) - T(0) more than
-a target-only round waits until that is at most `probe_budget` of the rounds' time since the last one.
+a target-only round, plus (P(probe_k) - P(0)) * T(0) for the others' tokens it takes (a token is worth one
+target-only round), waits until that is at most `probe_budget` of the rounds' time since the last one.
 
 Trees. With tree drafting every alternative is a leaf beside a chain token: when the target rejects that chain
 token and picks the alternative, the round gains exactly one token; each alternative node costs one more verified
-position, v1 seconds (the verify line's slope, the same per node as per chain token). With h = decayed alternative
-hits per alternative node (prior `tree_prior_hit_rate`, `tree_prior_nodes` pseudo-nodes), alternatives pay when
-their marginal rate beats the round's:  h / v1 > E(k) / T(k)  (expected accepted tokens per second). Then the full
+position, v1 seconds (the verify line's slope, the same per node as per chain token), and takes p1 = P(k + 1) - P(k)
+tokens from the other sessions. With h = decayed alternative hits per alternative node (prior
+`tree_prior_hit_rate`, `tree_prior_nodes` pseudo-nodes), alternatives pay when their marginal net rate beats the
+round's:  (h - p1) / v1 > (E(k) - P(k)) / T(k)  (h > p1 where a node costs this session nothing). Then the full
 width is used, else none; at width 0 every `probe_every`-th round still sends alternatives, so h keeps being measured.
-
-Load. When the verifier's batch is large, drafted tokens compete with other sessions' compute, so speculation
-is cut: cap = max_k above no load, falling linearly to 0 between `load_batch_low` and `load_batch_off` batch
-tokens, and 0 when `queue_len >= load_queue_off`. The cap applies at once (no hysteresis): load is about
-the whole verifier, not this session.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from gateway.verify_cost import VerifyCost, excess_tokens
+from gateway.verify_cost import VerifyCost, excess_tokens, forward_units, load_penalty
 from specmesh.decayed_line import DecayedLine
 
 
@@ -77,10 +89,7 @@ class AdaptiveParams:
     probe_every: int = 16            # at k == 0, draft probe_k tokens once every probe_every rounds at least
     probe_budget: float = 0.1        # ... and no more often than keeps the probes' extra time under this share
     probe_k: int = 2
-    load_batch_low: int = 64         # verifier batch tokens where speculation starts being cut
-    load_batch_off: int = 512        # ... and where it is off
-    load_queue_off: int = 8          # waiting requests at which speculation is off
-    load_decay: float = 0.5          # smoothing of the reported load
+    load_decay: float = 0.5          # smoothing of the reported load (other sessions' rows and tokens per forward)
     tree_prior_hit_rate: float = 0.2 # h before evidence: hits per alternative node (optimistic: try trees first)
     tree_prior_nodes: float = 10.0   # pseudo-nodes behind that prior
 
@@ -136,16 +145,25 @@ class ControllerMemory:
 class _DecayedLine:
     """Decayed least-squares fit t = v0 + v1 * x(k) (x: verified tokens beyond the free ones), with a prior relative
     slope when x has no spread; a relative slope the verifier measured itself (`measured_slope` > 0) is used instead
-    of the fitted one."""
+    of the fitted one. Beside other sessions' rows (`other_rows` > 0) a measured slope scales the forward t(n)."""
 
     def __init__(self, decay: float, rel_slope: float) -> None:
         self.rel_slope = rel_slope
         self.measured_slope = 0.0
         self.free_tokens = 1
+        self.other_rows = 0.0
         self.points = DecayedLine(decay)
+        self._k_sum = self._k_weight = 0.0          # decayed drafts verified (this request's rounds only)
 
     def add(self, k: int, t: float) -> None:
         self.points.add(excess_tokens(k, self.free_tokens), t)
+        d = self.points.decay
+        self._k_sum, self._k_weight = d * self._k_sum + k, d * self._k_weight + 1
+
+    @property
+    def slope_units(self) -> float:
+        """s: one more token's cost relative to a one-token forward (measured, else the prior)."""
+        return self.measured_slope or self.rel_slope
 
     def __call__(self, k: int) -> float | None:
         moments = self.points.moments()
@@ -153,6 +171,10 @@ class _DecayedLine:
             return None
         x = excess_tokens(k, self.free_tokens)
         mean_x, mean_t, var_x = moments
+        if self.measured_slope > 0 and self.other_rows > 0 and self._k_weight > 0:
+            s, free, mean_k = self.measured_slope, self.free_tokens, self._k_sum / self._k_weight
+            return mean_t * forward_units(self.other_rows + k + 1, s, free) / \
+                forward_units(self.other_rows + mean_k + 1, s, free)
         if self.measured_slope > 0 or var_x < 0.25:   # measured, or (almost) a single x seen: scale the mean
             s = self.measured_slope or self.rel_slope
             return mean_t * (1 + s * x) / (1 + s * mean_x)
@@ -175,7 +197,7 @@ class DraftLengthController:
         self._draft_time = self._draft_tokens = 0.0
         self._verify = _DecayedLine(self.params.decay, self.params.verify_rel_slope)
         self._rtt: float | None = None
-        self._queue = self._batch = 0.0
+        self._other_rows = self._other_tokens = 0.0  # smoothed: other sessions' rows and tokens per forward
         self._load_seen = False
         self._streak = 0
         self._rounds_at_zero = 0
@@ -206,35 +228,33 @@ class DraftLengthController:
             return None
         return verify + (0.0 if k == 0 else (self._rtt or 0.0) + k * draft)
 
-    def tokens_per_second(self, k: int) -> float | None:
-        t = self.round_time(k)
-        return None if t is None or t <= 0 else expected_tokens(self.position_acceptance(), k) / t
+    def load_penalty(self, k: int) -> float:
+        """P(k): tokens the other sessions in the forward give up for this session's k drafts and pending row."""
+        return load_penalty(k, self._other_rows, self._other_tokens, self._verify.slope_units,
+                            self._verify.free_tokens)
 
-    def load_cap(self) -> int:
-        p = self.params
-        if self._queue >= p.load_queue_off or self._batch >= p.load_batch_off:
-            return 0
-        if self._batch <= p.load_batch_low:
-            return self.max_k
-        frac = (p.load_batch_off - self._batch) / (p.load_batch_off - p.load_batch_low)
-        return int(self.max_k * frac)
+    def tokens_per_second(self, k: int) -> float | None:
+        """(E(k) - P(k)) / T(k): this session's tokens per second net of what it takes from the others (may be < 0)."""
+        t = self.round_time(k)
+        if t is None or t <= 0:
+            return None
+        return (expected_tokens(self.position_acceptance(), k) - self.load_penalty(k)) / t
 
     # ------------------------------------------------------------------ decisions
     def best_k(self) -> int:
-        """argmax over k of predicted tokens/s, ignoring hysteresis and load (the current k if unknown)."""
+        """argmax over k of predicted net tokens/s, ignoring hysteresis (the current k if unknown)."""
         rates = {k: self.tokens_per_second(k) for k in range(self.min_k, self.max_k + 1)}
         known = {k: r for k, r in rates.items() if r is not None}
         return max(known, key=lambda k: (known[k], -k)) if known else self.k
 
     def next_k(self) -> int:
         """The draft length for the coming round (call once per round)."""
-        k = min(self.k, max(self.min_k, self.load_cap()))
-        if k == 0 and self.k == 0 and self.max_k > 0 and self.load_cap() > 0:
+        if self.k == 0 and self.max_k > 0:
             self._rounds_at_zero += 1
             if self._probe_due():
                 self._rounds_at_zero = 0
                 return min(self.params.probe_k, self.max_k)
-        return k
+        return self.k
 
     def _probe_due(self) -> bool:
         """At k = 0: `probe_every` rounds since the last probe, and as many more as keep the probes' extra time
@@ -242,15 +262,17 @@ class DraftLengthController:
         p = self.params
         if self._rounds_at_zero < p.probe_every:
             return False
-        zero, probe = self.round_time(0), self.round_time(min(p.probe_k, self.max_k))
+        probe_k = min(p.probe_k, self.max_k)
+        zero, probe = self.round_time(0), self.round_time(probe_k)
         if zero is None or probe is None:
             return True
-        return self._rounds_at_zero * zero * p.probe_budget >= probe - zero
+        taken = (self.load_penalty(probe_k) - self.load_penalty(0)) * zero    # the others' tokens, in rounds
+        return self._rounds_at_zero * zero * p.probe_budget >= probe - zero + taken
 
     def _update_k(self) -> None:
         best = self.best_k()
         now, new = self.tokens_per_second(self.k), self.tokens_per_second(best)
-        if best == self.k or now is None or new is None or new <= now * (1 + self.params.margin):
+        if best == self.k or now is None or new is None or new - now <= abs(now) * self.params.margin:
             self._streak = 0
             return
         self._streak += 1
@@ -288,13 +310,27 @@ class DraftLengthController:
         return (self._alt_hits + p.tree_prior_hit_rate * p.tree_prior_nodes) / (self._alt_nodes + p.tree_prior_nodes)
 
     def alternatives_pay(self) -> bool:
-        """h / v1 > E(k) / T(k): an alternative node yields tokens faster than the round does on average."""
+        """(h - p1) / v1 > (E(k) - P(k)) / T(k): an alternative node yields net tokens faster than the round does."""
         rate = self.tokens_per_second(self.k)
         base, longer = self.verify_cost(self.k), self.verify_cost(self.k + 1)
         if rate is None or base is None or longer is None:
             return True                              # nothing measured yet: try (and measure)
-        per_node = longer - base
-        return per_node <= 0 or self.alternative_hit_rate() / per_node > rate
+        per_node, net_hit = longer - base, self.alternative_hit_rate() - self.load_penalty_per_node()
+        return net_hit > 0 if per_node <= 0 else net_hit / per_node > rate
+
+    def local_draft_cap(self, longest: int) -> int:
+        """A model-free draft's length (no draft compute): `longest` alone (P = 0: as before); beside other rows the
+        k <= longest with the most (E(k) - P(k)) / verify(k), 0 included (cache and n-gram rounds feed E too)."""
+        if self._other_rows <= 0 or longest <= 0:
+            return longest
+        acceptance = self.position_acceptance()
+        rates = {k: (expected_tokens(acceptance, k) - self.load_penalty(k)) / v
+                 for k in range(min(longest, self.max_k) + 1) if (v := self.verify_cost(k))}
+        return max(rates, key=lambda k: (rates[k], -k)) if rates else longest
+
+    def load_penalty_per_node(self) -> float:
+        """p1 = P(k + 1) - P(k): the other sessions' tokens one more verified node takes."""
+        return self.load_penalty(self.k + 1) - self.load_penalty(self.k)
 
     def tree_width(self, max_width: int) -> int:
         """Alternatives per uncertain position for the coming round (call once per round)."""
@@ -311,19 +347,29 @@ class DraftLengthController:
         self._alt_hits = d * self._alt_hits + (1.0 if alternative_hit else 0.0)
 
     def observe_verify_cost(self, cost: VerifyCost) -> None:
-        """What the verifier reported: its free tokens (the line's x from then on) and its measured cost of one more
+        """What the verifier reported: its free tokens (the line's x from then on), its measured cost of one more
         verified token (0 = unknown), the line's slope from then on (a line fitted to rounds of a few similar k
-        extrapolates badly). Call it before `observe` of the same round."""
+        extrapolates badly), and the other sessions' rows and tokens in the forward (the load; a verdict that needed
+        no forward, forward_rows = 0, says nothing about it). Call it before `observe` of the same round."""
         self._verify.free_tokens = cost.free_tokens
         if cost.token_cost > 0:
             self._verify.measured_slope = cost.token_cost
+        if cost.forward_rows > 0:
+            self.observe_load(cost.other_rows, cost.other_tokens)
 
-    def observe_load(self, queue_len: int, batch_tokens: int) -> None:
-        """The verifier's waiting requests and tokens in its current batch (smoothed)."""
-        d = 0.0 if not self._load_seen else self.params.load_decay   # the first report is taken as is
-        self._queue = d * self._queue + (1 - d) * queue_len
-        self._batch = d * self._batch + (1 - d) * batch_tokens
+    def observe_load(self, other_rows: float, other_tokens: float) -> None:
+        """Other sessions' rows in the forward that verified this session's block and the tokens they got from it
+        (smoothed; the first report is taken as is)."""
+        d = 0.0 if not self._load_seen else self.params.load_decay
+        self._other_rows = d * self._other_rows + (1 - d) * max(0.0, other_rows)
+        self._other_tokens = d * self._other_tokens + (1 - d) * max(0.0, other_tokens)
+        self._verify.other_rows = self._other_rows
         self._load_seen = True
+
+    @property
+    def load(self) -> tuple[float, float]:
+        """(other sessions' rows, their tokens) per forward, smoothed: what the load term prices."""
+        return self._other_rows, self._other_tokens
 
     # ------------------------------------------------------------------ memory across requests
     def memory(self) -> ControllerMemory:

@@ -23,7 +23,7 @@ from gateway.request_state import RequestState, RoundEvent
 from gateway.round_outcomes import classify
 from gateway.round_spans import end_session_span, prefill_span, record_round, round_span
 from gateway.validation import GenerationParams
-from gateway.verify_cost import VerifyCost
+from gateway.verify_cost import reported
 from protos.specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specmesh.proto_convert import sampling_to_proto, sparse_dists_to_proto
 
@@ -60,9 +60,8 @@ class _NextDraft:
 
 
 def _observe_round(draft_length: DraftLengthController, event: RoundEvent, state: RequestState) -> None:
-    draft_length.observe_verify_cost(event.cost)      # first: the round's verify time is priced with it
+    draft_length.observe_verify_cost(event.cost)      # first: the round's verify time is priced with it (and load)
     draft_length.observe(len(event.draft.token_ids), event.num_accepted, event.draft_s, event.verify_s)
-    draft_length.observe_load(event.num_waiting, event.num_batch_tokens)
     if event.draft.parents is not None:
         alternatives = len(event.draft.token_ids) - main_chain_len(event.draft.parents, len(event.draft.token_ids))
         draft_length.observe_tree(alternatives, classify(event.draft, event.num_accepted,
@@ -136,7 +135,8 @@ class Generation:
         return RoundEvent(round_index, draft, result.num_accepted, list(result.token_ids), drafted - started,
                           time.perf_counter() - drafted, result.num_waiting, result.num_batch_tokens,
                           list(result.accepted_node_indices),
-                          VerifyCost(result.token_cost, max(1, result.free_tokens)))   # 0: an older verifier
+                          reported(result.token_cost, result.free_tokens, result.num_batch_tokens,
+                                   result.num_other_rows, result.num_other_tokens, result.num_waiting))
 
     def _wanted_k(self) -> int:
         return self.draft_length.next_k() if self.draft_length else self.params.num_draft_tokens

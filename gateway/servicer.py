@@ -139,6 +139,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                    branch_prefetch=self.config.overlap)
         if self.tiers is not None and params.num_draft_tokens > 0:
             drafter = self.tiers.drafter(params, drafter, self.tiers.tenant(context.invocation_metadata()))
+            if draft_length is not None:                # local drafts priced under load like the model's
+                drafter.local_cap = draft_length.local_draft_cap
         first = next(self._next_replica) % len(self.verifiers)
         order = self.verifiers[first:] + self.verifiers[:first]
         generation = Generation(params, session_id, order, drafter, verifier_timeout, trace_context, draft_length,

@@ -2,14 +2,17 @@
 
 Per request, on plain floats (no clock: the caller passes measured seconds). For each proposer
 
-    rate = (1 + expected accepted draft tokens) / (verify(n) + cost)
+    rate = (1 + expected accepted draft tokens - P(n)) / (verify(n) + cost)
 
 where the 1 is the token every verify emits, n is the draft's size, verify(n) = base * (1 + s * x(n)) with `base` a
 decayed average of the measured verify times (normalized by the same factor), x(n) = max(0, n + 1 - F) the verified
 tokens beyond the F free ones and s the verifier's own measure of one more token's cost (VerifyResponse.token_cost and
 .free_tokens, gateway/verify_cost.py; `VERIFY_SLOPE` and F = 1 until it reports them), and cost the proposer's own
 decayed average time per round (a local suffix lookup ~0, the shared store one Redis round trip, the draft model
-its compute plus the link's round trip; a prefetched model block costs what waiting for it cost).
+its compute plus the link's round trip; a prefetched model block costs what waiting for it cost), and P(n) the
+tokens the other sessions in the verifier's forward give up for this round's n + 1 rows (the load term of
+gateway/adaptive.py and gateway/verify_cost.py, read from the draft model's controller, which is fed the verifier's
+report every round: one load estimate per request). Without other sessions P = 0.
 
 Expected accepted tokens: for a suffix proposal, the sum over its nodes of the node's count-ratio probability
 times that proposer's measured calibration at the node's depth (decayed accepted / decayed predicted per depth,
@@ -136,7 +139,7 @@ class ProposerChoice:
         """The proposal's prefix with the most expected tokens per second (its nodes come most likely first, so a
         long tail of unlikely nodes can cost more verify time than it brings, except within the free tokens)."""
         calibration = self._calibration[proposer]
-        best_n, best_rate, expected = 0, 0.0, 0.0
+        best_n, best_rate, expected = 0, float("-inf"), 0.0     # (net rates are < 0 under heavy load)
         for n, (d, p) in enumerate(zip(depths(proposal.parents), proposal.probs, strict=True), start=1):
             expected += calibration.at(d) * p
             rate = self.rate(proposer, expected, n)
@@ -149,8 +152,10 @@ class ProposerChoice:
         return self.verify_s(num_tokens) + self.cost_s(proposer, num_tokens)
 
     def rate(self, proposer: str, expected: float, num_tokens: int) -> float:
-        """Expected tokens per second of a round drafted by `proposer` (`expected` accepted of `num_tokens`)."""
-        return (1.0 + expected) / max(self.round_s(proposer, num_tokens), 1e-6)
+        """Expected net tokens per second of a round drafted by `proposer` (`expected` accepted of `num_tokens`):
+        less what its rows take from the other sessions in the forward."""
+        net = 1.0 + expected - self.model.load_penalty(num_tokens)
+        return net / max(self.round_s(proposer, num_tokens), 1e-6)
 
     # ------------------------------------------------------------------ decision
     def choose(self, options: dict[str, tuple[float, int]]) -> str:

@@ -9,7 +9,7 @@ token since the last sync, so it catches up. Verified output tokens are written 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.drafters import NO_DRAFT, Draft, ModelDrafter
@@ -115,6 +115,8 @@ class TieredDrafter:
         self._recorded = 0                           # output positions already written to the cache
         self._bytes_counted = (0, 0)                 # the model drafter's bytes sent / received already counted
         self._caps = {CACHE: self.settings.local_max_tokens, NGRAM: self.settings.local_max_tokens}
+        # Prices a local draft's length under load (DraftLengthController.local_draft_cap); None: the tier's cap.
+        self.local_cap: Callable[[int], int] | None = None
 
     async def prefill(self, prompt_ids: list[int], num_tokens: int) -> None:
         if self.model is not None:
@@ -132,17 +134,21 @@ class TieredDrafter:
         room = max(self.max_new_tokens - (len(context_ids) - len(self.prompt_ids)) - 1, 0)
         if room <= 0:
             return NO_DRAFT
-        if self.cache is not None:
+        if self.cache is not None and (n := self._local_room(room, CACHE)) > 0:
             with cache_lookup_span() as span:
-                ids = self._valid(await self.cache.lookup(self.scope, context_ids, min(room, self._caps[CACHE])))
+                ids = self._valid(await self.cache.lookup(self.scope, context_ids, n))
                 span.set_attribute("specmesh.cache.draft_tokens", len(ids))
             if draft := self._count(CACHE, ids):
                 return draft
-        if self.settings.enable_ngram:
-            ids = propose_ngram(context_ids, self.settings.ngram_sizes, min(room, self._caps[NGRAM]))
+        if self.settings.enable_ngram and (n := self._local_room(room, NGRAM)) > 0:
+            ids = propose_ngram(context_ids, self.settings.ngram_sizes, n)
             if draft := self._count(NGRAM, ids):
                 return draft
         return await self._from_model(context_ids, num_tokens)
+
+    def _local_room(self, room: int, tier: int) -> int:
+        n = min(room, self._caps[tier])
+        return self.local_cap(n) if self.local_cap is not None else n
 
     def _valid(self, ids: Sequence[object]) -> list[int]:
         """The leading ids that are real token ids (a cache may hold anything)."""

@@ -1,4 +1,4 @@
-"""Adaptive draft length: k follows acceptance, costs, RTT and verifier load, with hysteresis."""
+"""Adaptive draft length: k follows acceptance, costs and RTT, with hysteresis (load: test_load_aware_drafting.py)."""
 
 from __future__ import annotations
 
@@ -97,20 +97,6 @@ def test_verify_cost_slope_is_learned() -> None:
         ctrl.observe(k, k, draft_s=0.01 * k, verify_s=0.1 + 0.05 * k)
     assert ctrl.verify_cost(16) == pytest.approx(0.1 + 0.05 * 16, rel=1e-6)
     assert ctrl.draft_cost() == pytest.approx(0.01)
-
-
-def test_load_cuts_speculation_and_recovers() -> None:
-    ctrl = DraftLengthController(min_k=0, max_k=16, initial_k=4)
-    run_rounds(ctrl, 40, acceptance=1.0)
-    assert ctrl.next_k() == 16
-    ctrl.observe_load(queue_len=20, batch_tokens=0)
-    assert ctrl.next_k() == 0
-    for _ in range(8):   # smoothed: settles halfway between low (64) and off (512) batch tokens
-        ctrl.observe_load(queue_len=0, batch_tokens=288)
-    assert 6 <= ctrl.next_k() <= 10
-    for _ in range(12):
-        ctrl.observe_load(queue_len=0, batch_tokens=0)
-    assert ctrl.next_k() == 16
 
 
 def test_probing_recovers_from_zero_when_draft_improves() -> None:

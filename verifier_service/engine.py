@@ -30,7 +30,6 @@ from opentelemetry.trace import SpanContext
 from specmesh.engine.batched import BatchedEngine
 from specmesh.engine.batched_rejection import greedy_accept
 from specmesh.engine.block_manager import BlockManager
-from specmesh.engine.forward_cost import UNKNOWN as UNKNOWN_COST
 from specmesh.engine.forward_cost import Fit
 from specmesh.engine.loop import Completion, EngineError
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
@@ -41,21 +40,11 @@ from specmesh.telemetry.metrics import StatsCollector
 from specmesh.tree import keep_shallow
 from verifier_service.ahead import match_ahead
 from verifier_service.decode_ahead import DecodeAhead
+from verifier_service.forward_share import ForwardShare, VerifyResult
 from verifier_service.session import Session
 from verifier_service.verdicts import chain_verdict, greedy_rows, tree_verdict
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    token_ids: list[int]         # accepted drafts + one target token
-    num_accepted: int
-    accepted_node_indices: tuple[int, ...] = ()   # the accepted drafts' indices in the request (chain: 0 .. n-1)
-    num_cached_prompt_tokens: int = 0
-    num_batch_tokens: int = 0    # tokens in the forward that verified this block, all sessions together
-    num_waiting: int = 0         # work items queued when it finished
-    cost: Fit = UNKNOWN_COST     # the measured cost of one more token beyond the free ones (forward_cost.py)
 
 
 @dataclass(frozen=True)
@@ -128,6 +117,7 @@ class VerifierEngine(BatchedEngine):
         self.max_queue_len = max_queue_len
         self.max_num_sessions = max_num_seqs * 4
         self.sessions: dict[str, Session] = {}
+        self.share = ForwardShare()    # each answer says what the other sessions had of its forward
         self.draining = False          # set on shutdown: running sessions finish, new ones are refused
         self._seq_ids = itertools.count()
 
@@ -310,6 +300,7 @@ class VerifierEngine(BatchedEngine):
 
     def _forward_item(self, item: ScheduledItem) -> ForwardItem:
         forward_item = super()._forward_item(item)
+        self.share.ran(item.request, len(item.token_ids))
         parents = item.request.payload[1].parents
         if parents is None or not item.is_final:
             return forward_item
@@ -323,6 +314,7 @@ class VerifierEngine(BatchedEngine):
             emitted = greedy_accept(self._greedy_rows(req, session, logits), req.extra_ids)
             self._commit(session, emitted, len(emitted) - 1)
             self.ahead.decoded(session, len(req.extra_ids), len(emitted) - 1)
+            self.share.emitted(len(emitted))
             return
         if drafts.parents is None:
             emitted = self._sample(req, session, logits, drafts.dists)
@@ -339,9 +331,15 @@ class VerifierEngine(BatchedEngine):
         self._commit(session, emitted, len(emitted) - 1)
         self.ahead.delivered(session, len(drafts.ahead_path))
         path = list(drafts.ahead_path) + accepted
-        done.set_result(VerifyResult(seq.token_ids[first_new:], len(path), tuple(path), num_cached,
-                                     self.num_batch_tokens, self.scheduler.num_waiting,
-                                     self.forward_cost.fit(self.forward_threads)))
+        self.share.hold(req, done, VerifyResult(seq.token_ids[first_new:], len(path), tuple(path), num_cached,
+                                                self.num_batch_tokens, self.scheduler.num_waiting,
+                                                self.forward_cost.fit(self.forward_threads)), len(emitted))
+
+    def finish_batch(self, requests: list[ForwardRequest], logits: torch.Tensor) -> None:
+        try:
+            super().finish_batch(requests, logits)
+        finally:                             # the answers go out with what the other sessions had of the forward
+            self.share.release(self.num_batch_tokens)
 
     def _commit(self, session: Session, emitted: list[int], num_accepted: int) -> None:
         """KV now holds every verified token plus the accepted drafts; the new target token has none yet."""

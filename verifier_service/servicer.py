@@ -74,7 +74,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                            num_batch_tokens=result.num_batch_tokens, num_waiting=result.num_waiting,
                                            accepted_node_indices=result.accepted_node_indices,
                                            token_cost=result.cost.token_cost,
-                                           free_tokens=result.cost.free_tokens)
+                                           free_tokens=result.cost.free_tokens,
+                                           num_other_rows=result.num_other_rows,
+                                           num_other_tokens=result.num_other_tokens)
 
     async def EndSession(self, request: common_pb2.EndSessionRequest,
                          context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:
