@@ -127,7 +127,7 @@ async def run_stack(addr: str, configs: list[str], traffic: list[TrafficRequest]
 
 
 async def run_peer(base_url: str, traffic: list[TrafficRequest], rates: list[float], seed: int) -> list[dict]:
-    return await run_configs({PEER: http_sender(base_url)}, traffic, rates, seed)
+    return await run_configs({PEER: http_sender(base_url, {"cache_prompt": False})}, traffic, rates, seed)
 
 
 def check_exact(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -89,14 +89,16 @@ def grpc_sender(addr: str, num_draft_tokens: int | None) -> tuple[Send, Callable
     return send, channel.close
 
 
-def http_sender(base_url: str) -> tuple[Send, Callable[[], Awaitable[None]]]:
-    """Streams /v1/chat/completions (greedy, ignore_eos, no prompt cache) from an OpenAI-compatible server."""
+def http_sender(base_url: str, extra_fields: dict[str, object] | None = None
+                ) -> tuple[Send, Callable[[], Awaitable[None]]]:
+    """Streams /v1/chat/completions (greedy, ignore_eos) from an OpenAI-compatible server; `extra_fields` go into
+    every request body as they are (llama-server's `cache_prompt: false`, a field specmesh refuses)."""
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S))
 
     async def send(request: TrafficRequest, result: StreamResult) -> None:
         body = {"messages": [{"role": r, "content": c} for r, c in request.messages], "max_tokens": request.max_tokens,
-                "temperature": 0, "top_k": 1, "stream": True, "ignore_eos": True, "cache_prompt": False,
-                "stream_options": {"include_usage": True}}
+                "temperature": 0, "top_k": 1, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}, **(extra_fields or {})}
         sent = time.perf_counter()
         try:
             async with session.post(f"{base_url}/v1/chat/completions", json=body) as reply:
