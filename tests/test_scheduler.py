@@ -95,8 +95,8 @@ def test_a_request_whose_logits_do_not_fit_what_is_left_waits_and_others_fill_th
     a, b, c = new_seq(0, 10), new_seq(1, 1), new_seq(2, 1)
     for req in (verify_request(a, 0), verify_request(b, 8), verify_request(c, 2)):
         scheduler.enqueue(req)
-    batch, _ = scheduler.schedule(no_idle)
-    assert [(i.request.seq.seq_id, len(i.token_ids), i.is_final) for i in batch] == [(0, 10, True), (2, 3, True)]
+    batch, _ = scheduler.schedule(no_idle)                 # c is a decode (first), a's prefill fills the rest
+    assert [(i.request.seq.seq_id, len(i.token_ids), i.is_final) for i in batch] == [(2, 3, True), (0, 10, True)]
     run_forward(scheduler, batch)
     batch, _ = scheduler.schedule(no_idle)                 # b gets its turn with room for all 9 logits tokens
     assert [(i.request.seq.seq_id, len(i.token_ids), i.is_final) for i in batch] == [(1, 9, True)]

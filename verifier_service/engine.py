@@ -94,6 +94,7 @@ class _NoCaller:
     """The completion of a decode-ahead step: nobody waits for it."""
 
     span_context = None
+    submitted_at = None
 
     def set_result(self, value: object) -> None:
         pass
@@ -383,6 +384,9 @@ class VerifierEngine(BatchedEngine):
 
     def span_context(self, req: ForwardRequest) -> SpanContext | None:
         return req.payload[2].span_context
+
+    def submitted_at(self, req: ForwardRequest) -> float | None:
+        return req.payload[2].submitted_at
 
     def fail(self, req: ForwardRequest, exc: EngineError) -> None:
         session = req.payload[0]
