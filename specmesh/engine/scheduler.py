@@ -14,8 +14,9 @@ Rules (all tested in tests/test_scheduler.py without torch):
 * A step is sized in time as well as tokens (`StepBudget`, step_budget.py): with the engine's measured cost t(n),
   a step carrying d decode tokens (or run while a stream is between two requests) costs at most
   max(factor * t(max(d, 1)), t(d + min_prefill_tokens)). While prefill waits, decodes leave it one of the
-  `max_num_seqs` slots and `min_prefill_tokens` of the token budget (unless the oldest request of all is a decode),
-  so a long prompt progresses every step and a decode waits at most one step per older decode.
+  `max_num_seqs` slots and min(min_prefill_tokens, max_num_batched_tokens // 2) tokens (unless the oldest request
+  of all is a decode), so a long prompt progresses every step and a decode waits at most one step per older
+  decode (one that does not fit beside that reserve waits until the prefill is done or it is the oldest).
 * Within `max_num_batched_tokens` a request whose tokens do not fit what is left is chunked: a chunk runs only
   context tokens and always stops before the logits tokens, so the final item of a request runs all of them in one
   forward. A request whose logits tokens alone exceed the budget is refused at `enqueue`.
@@ -219,10 +220,10 @@ class Scheduler:
 
     def _fill_decodes(self, plan: _Plan, decodes: list[ForwardRequest], prefills: list[ForwardRequest],
                       idle_seqs: Callable[[], Iterable[SeqState]]) -> None:
-        """Decodes first, in arrival order; while prefill waits they leave it a slot and min_prefill_tokens (the
-        oldest request of all, if a decode, takes what it needs)."""
+        """Decodes first, in arrival order; while prefill waits they leave it a slot and min_prefill_tokens (at most
+        half the token budget; the oldest request of all, if a decode, takes what it needs)."""
         reserve_seqs = 1 if prefills and self.max_num_seqs > 1 else 0
-        reserve = min(self.step_budget.min_prefill_tokens, self.max_num_batched_tokens) if prefills else 0
+        reserve = min(self.step_budget.min_prefill_tokens, self.max_num_batched_tokens // 2) if prefills else 0
         for req in decodes:
             if len(plan.batch) >= self.max_num_seqs - reserve_seqs:
                 return
