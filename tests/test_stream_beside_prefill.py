@@ -98,3 +98,44 @@ async def test_a_stream_is_answered_every_step_while_a_near_context_prompt_prefi
     finally:
         engine.scheduler.clear()
         await verifier.stop()
+
+
+async def test_an_idle_greedy_stream_decodes_ahead_beside_the_prefill() -> None:
+    """With decoding ahead on, a stream between two verifies gets a target token ahead in every step that carries
+    the long prompt's chunks (up to the ahead limit); its next verify is settled by them without a forward."""
+    verifier = await start_verifier(max_num_batched_tokens=STEP_BUDGET, max_model_len=MAX_MODEL_LEN, block_size=8,
+                                    decode_ahead_tokens=4)
+    engine = verifier.engine
+    engine.stop()
+    try:
+        rng = random.Random(28)
+        stream_prompt = [rng.randrange(10, 500) for _ in range(12)]
+        long_prompt = [rng.randrange(10, 500) for _ in range(LONG_PROMPT)]
+        expected = reference_greedy(stream_prompt, 16)
+        start = engine.start_session("stream", stream_prompt, SamplingParams())
+        handle_posted(engine, 1)
+        engine.step()
+        assert await answered(start) == expected[:1]
+        stream = engine.sessions["stream"]
+        first = engine.start_session("long", long_prompt, SamplingParams())
+        handle_posted(engine, 1)
+        long_seq = engine.sessions["long"].seq
+        for ahead in range(1, 5):                        # each step: a prompt chunk and one token ahead
+            computed = long_seq.num_computed
+            engine.step()
+            assert long_seq.num_computed > computed and not first.future.done()
+            assert stream.seq.token_ids[len(stream_prompt):] == expected[:1 + ahead]
+        computed = long_seq.num_computed
+        engine.step()                                    # at the ahead limit: the prompt's chunk alone
+        assert long_seq.num_computed > computed and len(stream.seq.token_ids) == len(stream_prompt) + 5
+        verify = engine.verify("stream", [(expected[1] + 1) % 512], None)      # a wrong draft: settled at once
+        handle_posted(engine, 1)
+        assert await answered(verify) == expected[1:5]
+        while not first.future.done():
+            engine.step()
+            await asyncio.sleep(0)
+        assert list(first.future.result().token_ids) == reference_greedy(long_prompt, 1)
+        assert stream.seq.token_ids[len(stream_prompt):] == expected[:len(stream.seq.token_ids) - 12]
+    finally:
+        engine.scheduler.clear()
+        await verifier.stop()

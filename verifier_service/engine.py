@@ -270,11 +270,12 @@ class VerifierEngine(BatchedEngine):
         return self.scheduler.num_waiting > 0 or (not self._ahead_stalled and bool(self._ahead_sessions()))
 
     def step(self) -> None:
-        """With no verify waiting, idle greedy sessions decode one token ahead each (one batched forward), plus the
-        guesses that fit the forward's free rows. Their requests never outlive the step, so a verify arriving next
-        finds none of them queued."""
-        ahead = [] if self.scheduler.num_waiting else self._ahead_sessions()
-        self._ahead_beside_drafts = any(s.drafting for s in ahead)
+        """With no verify waiting (a prompt may be prefilling: its chunks then share the step), idle greedy sessions
+        decode one token ahead each (one batched forward), plus the guesses that fit the forward's free rows. Their
+        requests never outlive the step, so a verify arriving next finds none of them queued."""
+        verify_waiting = any(map(self.scheduler.is_decode, self.scheduler))
+        ahead = [] if verify_waiting else self._ahead_sessions()
+        self._ahead_beside_drafts = any(s.drafting for s in ahead) and not self.scheduler.num_waiting
         requests = [ForwardRequest(s.seq, g, len(g) + 1, (s, _AHEAD_STEP, _NO_CALLER))
                     for s, g in zip(ahead, self.ahead.guesses_for(ahead, self._ahead_fit(ahead)), strict=True)]
         for request in requests:                    # (not `busy`: a verify arriving next finds none of them)
