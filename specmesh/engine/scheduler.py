@@ -284,7 +284,8 @@ class Scheduler:
                       idle_seqs: Callable[[], Iterable[SeqState]]) -> ScheduledItem | None:
         """The item `req` runs this step, None to skip it this step (its logits tokens need more room than is left);
         raises _Blocked when there is no KV room for it."""
-        self._prepare(req)               # again: a preemption earlier in this step may have freed its KV
+        if not req.seq.allocated:        # a preemption earlier in this step freed its KV: recompute
+            self._prepare(req)
         seq = req.seq
         start = seq.num_computed
         num_pending = len(seq.token_ids) - start + len(req.extra_ids)
