@@ -233,3 +233,19 @@ def test_scheduled_items_are_decode_or_prefill() -> None:
     assert scheduler.is_decode(request)
     scheduler.preempt(seq)
     assert not scheduler.is_decode(request)            # its KV is gone: recomputed as prefill unless cached
+
+
+def test_the_default_budget_keeps_a_stream_within_3x_its_median_gap_on_a_simulated_clock() -> None:
+    """bench/step_budget_sim.py with the defaults and issue 27's host (55 ms a decode step, 13.7 ms a prefill
+    token), a 4000-token prompt beside a stream with 20 ms between rounds: the stream's longest gap while the
+    prompt prefills stays within 3x its median (the token budget alone: over 100x), the prompt's time to first
+    token within 2x its time alone."""
+    from bench.step_budget_sim import COST_MODELS, simulate
+
+    model, defaults = COST_MODELS["avx512"], StepBudget()
+    alone = simulate(model, 0, defaults.min_prefill_tokens, 4000, 0.0, with_stream=False).ttft_s
+    shared = simulate(model, defaults.factor, defaults.min_prefill_tokens, 4000, 0.02)
+    assert shared.longest_gap_s <= 3 * shared.median_gap_s
+    assert shared.ttft_s <= 2 * alone
+    tokens_only = simulate(model, 0, defaults.min_prefill_tokens, 4000, 0.02)
+    assert tokens_only.longest_gap_s > 100 * tokens_only.median_gap_s

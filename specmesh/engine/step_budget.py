@@ -15,12 +15,15 @@ takes the whole token budget (`max_num_batched_tokens`), as does every step befo
 
 What it buys (cost(n) = a + b n per token, factor F): a stream's step while a prompt prefills costs at most F decode
 steps, and a verify that arrives during a prefill-only step waits for at most one more such step; the prompt gets
-(F - 1) / F of the verifier's time while one stream decodes beside it, so its time to first token is about
-F / (F - 1) of what it is alone. The default F = 3 is where both of issue 27's goals can hold: a stream's longest
-gap at most 3x its median gap (its median includes the round's draft and network time, so 3 decode steps are
-within it) and a long prompt's time to first token at most 1.5x (3 / 2) alone; F = 2 would leave the prompt half of
-the verifier (2x alone). min_prefill_tokens = 4 stays inside F decode steps on the CPUs measured (a token beyond
-the first few costs 0.18-0.45 of a one-token forward: Zen 4, Zen 3, Zen 1), so the floor rarely decides.
+(F - 1) / F of the verifier's time while one stream decodes beside it, so its time to first token is at most about
+F / (F - 1) of what it is alone (less where a forward takes a few tokens for the price of one). The default F = 2
+keeps issue 27's stall goal, a stream's longest gap at most 3x its median gap, with the worst case (a verify that
+just missed a step) included; F = 3 would bring a long prompt's time to first token nearer 1.5x alone but lets that
+worst gap reach ~5x. On a simulated clock (bench/step_budget_sim.py, a 4000-token prompt beside one stream with
+20 ms between rounds): issue 27's AVX-512 host, F = 2: longest gap 2.9x the median, time to first token 1.77x alone;
+F = 3: 5.3x and 1.40x; token budget only: 188x and 1.00x. min_prefill_tokens = 4 stays inside F decode steps on the
+CPUs measured (a token beyond the first few costs 0.18-0.45 of a one-token forward: Zen 4, Zen 3, Zen 1), so the
+floor rarely decides.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def check_step_budget(factor: float, min_prefill_tokens: int) -> None:
 @dataclass(frozen=True)
 class StepBudget:
     cost: Cost | None = None       # None: token budget only (no time bound)
-    factor: float = 3.0            # a step carrying decodes costs at most this times its decodes alone
+    factor: float = 2.0            # a step carrying decodes costs at most this times its decodes alone
     min_prefill_tokens: int = 4    # prefill tokens any step may carry beside decodes, whatever they cost
 
     def bound(self, num_decode_tokens: int, streams_waiting: bool) -> float | None:
