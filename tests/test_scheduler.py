@@ -94,13 +94,13 @@ def test_logits_beyond_the_budget_are_refused_at_enqueue() -> None:
 def test_a_request_whose_logits_do_not_fit_what_is_left_waits_and_others_fill_the_step() -> None:
     scheduler = make_scheduler(budget=16)
     a, b, c = new_seq(0, 10), new_seq(1, 1), new_seq(2, 1)
-    for req in (verify_request(a, 0), verify_request(b, 8), verify_request(c, 2)):
+    for req in (verify_request(a, 0), verify_request(b, 12), verify_request(c, 2)):
         scheduler.enqueue(req)
-    batch, _ = scheduler.schedule(no_idle)                 # c is a decode (first), a's prefill fills the rest
+    batch, _ = scheduler.schedule(no_idle)                 # c is a decode (first), a's prefill fills the rest; b's
     assert [(i.request.seq.seq_id, len(i.token_ids), i.is_final) for i in batch] == [(2, 3, True), (0, 10, True)]
-    run_forward(scheduler, batch)
-    batch, _ = scheduler.schedule(no_idle)                 # b gets its turn with room for all 9 logits tokens
-    assert [(i.request.seq.seq_id, len(i.token_ids), i.is_final) for i in batch] == [(1, 9, True)]
+    run_forward(scheduler, batch)                          # 13 do not fit beside the prefill's reserve of 4
+    batch, _ = scheduler.schedule(no_idle)                 # b gets its turn with room for all 13 logits tokens
+    assert [(i.request.seq.seq_id, len(i.token_ids), i.is_final) for i in batch] == [(1, 13, True)]
 
 
 def test_prefix_cache_hit_and_preemption_keep_logits_tokens_together() -> None:

@@ -80,7 +80,7 @@ class StepStats:
     num_prefill_tokens: int = 0
     bound_s: float | None = None  # the step's time bound (None: token budget only)
     blocked: bool = False         # a request found no KV room: newer ones waited behind it
-    in_arrival_order: bool = False  # served oldest first (the oldest prefill found no KV room last step)
+    in_arrival_order: bool = False  # oldest first: the oldest prefill found no KV room last step, or one slot
 
 
 Failure = tuple[ForwardRequest, EngineError]
@@ -203,7 +203,7 @@ class Scheduler:
         plan = _Plan(list(self._waiting), self.max_num_batched_tokens, failed=failed)
         decodes = [r for r in plan.queue if self.is_decode(r)]
         prefills = [r for r in plan.queue if not self.is_decode(r)]
-        streams = self._streams_waiting(idle_seqs)
+        streams = bool(decodes) or self._streams_waiting(idle_seqs)      # a decode waits or may come any time
         in_order = bool(prefills) and (self._oldest_blocked or self.max_num_seqs == 1 and plan.queue[0] is prefills[0])
         if in_order:                     # KV by age (or one slot): oldest first, every item within the bound
             bound = self.step_budget.bound(0, streams)
