@@ -296,6 +296,10 @@ class DraftEngine(BatchedEngine):
     def idle_seqs(self) -> Iterable[SeqState]:
         return (s.seq for s in self.sessions.values() if not s.busy)
 
+    def submitted_at(self, request: ForwardRequest) -> float | None:
+        proposal: Proposal = request.payload
+        return None if proposal.answered else proposal.done.submitted_at
+
     def finish(self, request: ForwardRequest, logits: torch.Tensor) -> None:
         """logits [1 + g, V] for the position after the session's last token and after each of its g guesses."""
         proposal: Proposal = request.payload

@@ -55,6 +55,8 @@ class EngineConfig:
     kv_cache_memory_mb: int = 512      # KV pool budget (the CPU analogue of --gpu-memory-utilization)
     num_kv_blocks: int = 0             # exact pool size in blocks; 0 = derive from kv_cache_memory_mb
     max_num_batched_tokens: int = 512  # token budget of one forward (chunked prefill beyond it)
+    step_cost_factor: float = 2.0      # a step carrying decodes costs <= this x its decodes alone (measured); 0 = off
+    min_prefill_tokens: int = 4        # prefill tokens a step may carry beside decodes whatever they cost
     max_num_seqs: int = 64             # sessions held at once
     max_queue_len: int = 256           # waiting work items before RESOURCE_EXHAUSTED
     max_model_len: int = 0             # 0 = the model's own context length

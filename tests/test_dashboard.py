@@ -102,6 +102,11 @@ def test_dashboard_has_the_panels_users_need() -> None:
     assert all('service="draft"' in e for e in by_title["Draft service: batched forward time"])
     assert any("specmesh_draft_length_tokens" in e for e in by_title["Draft length and acceptance per position"])
     assert not any("engine_forward" in e for title, e in dashboard_queries() if "batched forward" not in title)
+    composition = by_title["Verifier: step composition, decode vs prefill tokens"]
+    assert all("specmesh_engine_step_tokens" in e and 'service="verifier"' in e for e in composition)
+    assert all("by (kind)" in e for e in composition)
+    waits = by_title["Verifier: wait behind prefill"]
+    assert waits and all("specmesh_engine_prefill_wait_seconds_bucket" in e for e in waits)
 
 
 def test_service_selectors_match_the_prometheus_scrape_labels() -> None:

@@ -13,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.errors import EngineError
 from specmesh.engine.scheduler import ForwardRequest, ScheduledItem, Scheduler, SeqState
+from specmesh.engine.step_budget import StepBudget
 
 
 def make_scheduler(budget: int = 16, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8) -> Scheduler:
@@ -93,13 +94,13 @@ def test_logits_beyond_the_budget_are_refused_at_enqueue() -> None:
 def test_a_request_whose_logits_do_not_fit_what_is_left_waits_and_others_fill_the_step() -> None:
     scheduler = make_scheduler(budget=16)
     a, b, c = new_seq(0, 10), new_seq(1, 1), new_seq(2, 1)
-    for req in (verify_request(a, 0), verify_request(b, 8), verify_request(c, 2)):
+    for req in (verify_request(a, 0), verify_request(b, 12), verify_request(c, 2)):
         scheduler.enqueue(req)
-    batch, _ = scheduler.schedule(no_idle)
-    assert [(i.request.seq.seq_id, len(i.token_ids), i.is_final) for i in batch] == [(0, 10, True), (2, 3, True)]
-    run_forward(scheduler, batch)
-    batch, _ = scheduler.schedule(no_idle)                 # b gets its turn with room for all 9 logits tokens
-    assert [(i.request.seq.seq_id, len(i.token_ids), i.is_final) for i in batch] == [(1, 9, True)]
+    batch, _ = scheduler.schedule(no_idle)                 # c is a decode (first), a's prefill fills the rest; b's
+    assert [(i.request.seq.seq_id, len(i.token_ids), i.is_final) for i in batch] == [(2, 3, True), (0, 10, True)]
+    run_forward(scheduler, batch)                          # 13 do not fit beside the prefill's reserve of 4
+    batch, _ = scheduler.schedule(no_idle)                 # b gets its turn with room for all 13 logits tokens
+    assert [(i.request.seq.seq_id, len(i.token_ids), i.is_final) for i in batch] == [(1, 13, True)]
 
 
 def test_prefix_cache_hit_and_preemption_keep_logits_tokens_together() -> None:
@@ -222,19 +223,36 @@ def test_preemption_then_takes_the_newest_waiting_never_an_older_one() -> None:
 # --------------------------------------------------------------------------------- random operations
 MAX_MODEL_LEN = 48
 SHARED_PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8] * 6, [9, 8, 7, 6, 5, 4, 3, 2] * 6]
+MAX_DECODE_WAIT = 8      # steps a decode that fits beside the prefill's reserve may be passed over while prefill runs
+
+
+def step_cost(shape: str, base_ms: int, per_token_ms: int, free: int):
+    """A monotone cost of an n-token step: none (token budget only), linear, or flat up to `free` tokens."""
+    if shape == "none":
+        return None
+    if shape == "linear":
+        return lambda n: (base_ms + per_token_ms * n) / 1000
+    return lambda n: (base_ms + per_token_ms * max(0, n - free)) / 1000
 
 
 class SchedulerMachine(RuleBasedStateMachine):
     """Near-context prompts, short sequences verifying k in 0..16 drafts, shared prefixes, small pools, expired
-    requests and cancels; every step is simulated like the verifier and checked."""
+    requests and cancels, steps sized by a random cost function; every step is simulated like the verifier and
+    checked, including the protection of decoding sequences while prefill runs (see _check_decode_first)."""
 
     @initialize(budget=st.integers(8, 40), max_num_seqs=st.integers(1, 6), block_size=st.sampled_from([2, 4, 8]),
-                 extra_blocks=st.integers(0, 12), prefix_caching=st.booleans())
-    def setup(self, budget: int, max_num_seqs: int, block_size: int, extra_blocks: int,
-              prefix_caching: bool) -> None:
+                 extra_blocks=st.integers(0, 12), prefix_caching=st.booleans(),
+                 cost_shape=st.sampled_from(["none", "linear", "flat"]), base_ms=st.integers(10, 200),
+                 per_token_ms=st.integers(0, 50), free=st.sampled_from([1, 2, 4, 8]),
+                 factor=st.sampled_from([1.0, 1.5, 2.0, 3.0]), min_prefill=st.integers(1, 8))
+    def setup(self, budget: int, max_num_seqs: int, block_size: int, extra_blocks: int, prefix_caching: bool,
+              cost_shape: str, base_ms: int, per_token_ms: int, free: int, factor: float, min_prefill: int) -> None:
         num_blocks = -(-MAX_MODEL_LEN // block_size) + extra_blocks
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-        self.scheduler = Scheduler(self.bm, budget, max_num_seqs)
+        self.cost = step_cost(cost_shape, base_ms, per_token_ms, free)
+        self.step_budget = StepBudget(self.cost, factor, min_prefill)
+        self.scheduler = Scheduler(self.bm, budget, max_num_seqs, self.step_budget)
+        self.passed_over: dict[int, int] = {}    # id(request) -> steps it was passed over while prefill ran
         self.seqs: dict[int, SeqState] = {}
         self.queued: dict[int, ForwardRequest] = {}
         self.next_id = 0
@@ -291,7 +309,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         del self.seqs[seq.seq_id]
 
     # ---- one engine step ------------------------------------------------------------------------------------
-    @rule(seed=st.integers(0, 2**32), num_steps=st.integers(1, 6))
+    @rule(seed=st.integers(0, 2**32), num_steps=st.integers(1, 3))
     def step(self, seed: int, num_steps: int) -> None:
         rng = random.Random(seed)
         for _ in range(num_steps):
@@ -301,9 +319,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         had_work = len(self.scheduler) > 0
         before = {s.seq_id: s.num_computed for s in self.seqs.values()}
         num_preemptions = self.scheduler.num_preemptions
+        queue = list(self.scheduler.waiting)
         batch, failed = self.scheduler.schedule(self._idle)
-        if self.scheduler.num_preemptions > num_preemptions:
+        preempted = self.scheduler.num_preemptions > num_preemptions
+        if preempted:
             event("preemption")
+        self._check_decode_first(queue, batch, failed, preempted)
         assert not had_work or batch or failed, "work waited but nothing ran or failed"
         for request, error in failed:
             assert error.code in ("DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"), error
@@ -342,6 +363,49 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert item.start_pos == seq.num_cached_tokens   # recomputed after a preemption in this step
             if seq.num_cached_tokens:
                 event("prefix cache hit")
+
+    def _check_decode_first(self, queue: list[ForwardRequest], batch: list[ScheduledItem], failed: list,
+                            preempted: bool) -> None:
+        """While prefill runs, decoding sequences keep running: every step with a prefill item carries a decode
+        whenever one that fits beside the prefill's token reserve waits, no such decode is passed over more than
+        MAX_DECODE_WAIT steps in a row, and waiting prefill progresses every step (all unless a request found no
+        KV room, which may hold the step back). A step never costs more than its time bound, and the bound never
+        exceeds max(factor * t(max(d, 1)), t(d + min_prefill_tokens)) for its d decode tokens."""
+        sched, stats = self.scheduler, self.scheduler.last_step
+        items = {id(i.request): i for i in batch}
+        gone = {id(r) for r, _ in failed}
+        live = [r for r in queue if id(r) not in gone]
+        is_decode = {id(r): items[id(r)].is_decode if id(r) in items else sched.is_decode(r) for r in live}
+        decode_tokens = sum(len(i.token_ids) for i in batch if i.is_decode)
+        assert (stats.num_decode_tokens, stats.num_prefill_tokens) == (
+            decode_tokens, sum(len(i.token_ids) for i in batch) - decode_tokens)
+        if stats.bound_s is not None:
+            assert self.cost is not None
+            assert self.cost(sum(len(i.token_ids) for i in batch)) <= stats.bound_s + 1e-9
+            f, m = self.step_budget.factor, self.step_budget.min_prefill_tokens
+            assert stats.bound_s <= max(f * self.cost(max(decode_tokens, 1)), self.cost(decode_tokens + m)) + 1e-9
+        if stats.blocked or preempted or stats.in_arrival_order or sched.max_num_seqs == 1:
+            return                                     # KV room decided this step (or one slot: no mixing)
+        budget = sched.max_num_batched_tokens
+        reserve = min(self.step_budget.min_prefill_tokens, budget // 2)
+        prefill_ran = any(not i.is_decode for i in batch)
+        fitting = [r for r in live if is_decode[id(r)] and id(r) not in items
+                   and len(r.seq.token_ids) - r.seq.num_computed + len(r.extra_ids) <= budget - reserve]
+        if prefill_ran and any(i.is_decode for i in batch):
+            event("decode and prefill in one step")
+        if prefill_ran and fitting:
+            event("a decode passed over while prefill ran (no slot or tokens left)")
+            assert any(i.is_decode for i in batch), "a decode waited while prefill ran"
+        for req in live:
+            key = id(req)
+            if key in items or not is_decode[key]:
+                self.passed_over.pop(key, None)
+            elif prefill_ran and req in fitting:
+                self.passed_over[key] = self.passed_over.get(key, 0) + 1
+                assert self.passed_over[key] <= MAX_DECODE_WAIT, "a decode starved behind prefill"
+        if live and any(not is_decode[id(r)] for r in live) and not is_decode[id(live[0])]:
+            event("prefill progress checked")
+            assert prefill_ran, "waiting prefill made no progress"
 
     def _simulate(self, item: ScheduledItem, rng: random.Random) -> None:
         seq, req = item.request.seq, item.request

@@ -83,6 +83,7 @@ class _NoCaller:
     """The completion of a decode-ahead step: nobody waits for it."""
 
     span_context = None
+    submitted_at = None
 
     def set_result(self, value: object) -> None:
         pass
@@ -259,11 +260,12 @@ class VerifierEngine(BatchedEngine):
         return self.scheduler.num_waiting > 0 or (not self._ahead_stalled and bool(self._ahead_sessions()))
 
     def step(self) -> None:
-        """With no verify waiting, idle greedy sessions decode one token ahead each (one batched forward), plus the
-        guesses that fit the forward's free rows. Their requests never outlive the step, so a verify arriving next
-        finds none of them queued."""
-        ahead = [] if self.scheduler.num_waiting else self._ahead_sessions()
-        self._ahead_beside_drafts = any(s.drafting for s in ahead)
+        """With no verify waiting (a prompt may be prefilling: its chunks then share the step), idle greedy sessions
+        decode one token ahead each (one batched forward), plus the guesses that fit the forward's free rows. Their
+        requests never outlive the step, so a verify arriving next finds none of them queued."""
+        verify_waiting = any(map(self.scheduler.is_decode, self.scheduler))
+        ahead = [] if verify_waiting else self._ahead_sessions()
+        self._ahead_beside_drafts = any(s.drafting for s in ahead) and not self.scheduler.num_waiting
         requests = [ForwardRequest(s.seq, g, len(g) + 1, (s, _AHEAD_STEP, _NO_CALLER))
                     for s, g in zip(ahead, self.ahead.guesses_for(ahead, self._ahead_fit(ahead)), strict=True)]
         for request in requests:                    # (not `busy`: a verify arriving next finds none of them)
@@ -375,6 +377,9 @@ class VerifierEngine(BatchedEngine):
 
     def span_context(self, req: ForwardRequest) -> SpanContext | None:
         return req.payload[2].span_context
+
+    def submitted_at(self, req: ForwardRequest) -> float | None:
+        return req.payload[2].submitted_at
 
     def fail(self, req: ForwardRequest, exc: EngineError) -> None:
         session = req.payload[0]

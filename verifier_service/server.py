@@ -25,6 +25,7 @@ def build_verifier(config: VerifierConfig) -> tuple[ServiceServer, VerifierEngin
                             config.engine.max_queue_len, config.engine.num_threads, config.decode_ahead_tokens,
                             parts.loaded.eos_token_ids)
     engine.set_thread_policy(config.engine.num_threads_max, config.engine.max_threads_min_tokens)
+    engine.set_step_budget(config.engine.step_cost_factor, config.engine.min_prefill_tokens)
     engine.ahead.threads = config.decode_ahead_threads
     engine.ahead.guesses = config.decode_ahead_guesses
     leases = SessionLeases(config.session_lease_s)

@@ -19,7 +19,10 @@ from specmesh.engine.errors import ForwardInterrupted
 from specmesh.engine.forward_cost import ForwardCost
 from specmesh.engine.loop import EngineError, EngineThread
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
+from specmesh.engine.prefill_wait import PrefillClock
 from specmesh.engine.scheduler import ForwardRequest, ScheduledItem, Scheduler, SeqState
+from specmesh.engine.step_budget import StepBudget, check_step_budget
+from specmesh.engine.step_cost import StepCost
 from specmesh.telemetry.engine_step import forward_span, num_context_tokens
 from specmesh.telemetry.metrics import EngineMetrics
 
@@ -37,7 +40,10 @@ class BatchedEngine(EngineThread):
         super().__init__(name, num_threads)
         self.runner = runner
         self.block_manager = block_manager
-        self.scheduler = Scheduler(block_manager, max_num_batched_tokens, max_num_seqs)
+        # seconds of a step by its size (every forward), which sizes the steps that carry prefill (step_budget.py)
+        self.step_cost = StepCost()
+        self.scheduler = Scheduler(block_manager, max_num_batched_tokens, max_num_seqs, StepBudget(self.step_seconds))
+        self.prefill_clock = PrefillClock()       # when forwards carrying prefill ran (waits behind prefill)
         self.num_steps = 0
         self.num_threads = num_threads
         # the last completed forward: seconds, threads, whether it computed a prompt's (or context's) KV
@@ -59,6 +65,16 @@ class BatchedEngine(EngineThread):
         off). For a verifier sharing its host with a draft service that idles while it verifies: min_tokens 1."""
         self.num_threads_max = max(self.num_threads, num_threads_max)
         self.max_threads_min_tokens = max(1, min_tokens)
+
+    def set_step_budget(self, factor: float, min_prefill_tokens: int) -> None:
+        """A step carrying decodes costs at most `factor` times its decodes alone, and always fits
+        `min_prefill_tokens` of prefill (step_budget.py); factor 0: token budget only."""
+        check_step_budget(factor, min_prefill_tokens)
+        self.scheduler.step_budget = StepBudget(self.step_seconds if factor else None, factor, min_prefill_tokens)
+
+    def step_seconds(self, num_tokens: int) -> float | None:
+        """Measured seconds of a step of `num_tokens` tokens under the engine's thread policy (None: not yet)."""
+        return self.step_cost.seconds(num_tokens, BatchedEngine.threads_for(self, num_tokens))
 
     def threads_for(self, num_tokens: int) -> int:
         if self.num_threads_max > self.num_threads and num_tokens >= self.max_threads_min_tokens:
@@ -91,6 +107,10 @@ class BatchedEngine(EngineThread):
         """The span of the caller that submitted the request: the forward's span links to it."""
         return None
 
+    def submitted_at(self, request: ForwardRequest) -> float | None:
+        """time.monotonic() when a waiting caller submitted the request (None: nobody waits for it)."""
+        return None
+
     def step(self) -> None:
         batch, failed = self.scheduler.schedule(self.idle_seqs)
         for request, error in failed:
@@ -104,11 +124,14 @@ class BatchedEngine(EngineThread):
         if threads != torch.get_num_threads():       # the engine thread's own setting (int8 logits do not change)
             torch.set_num_threads(threads)
         self.runner.interrupt = self.interrupt_check(batch)
+        step_attributes = self._step_attributes(batch)
         try:
-            started = time.perf_counter()
-            with forward_span(self._name, self.metrics, batch, links):
+            started, wall_start = time.perf_counter(), time.monotonic()
+            with forward_span(self._name, self.metrics, batch, links, step_attributes):
                 logits = self.runner.forward_flat(items)
             self.forward_s, self.forward_threads = time.perf_counter() - started, threads
+            if not all(item.is_decode for item in batch):
+                self.prefill_clock.record(wall_start, time.monotonic())
             self.forward_prefills = any(num_context_tokens(i) > 1 for i in batch)
         except ForwardInterrupted:     # gave way to more urgent work: as if it never ran
             for item in batch:
@@ -120,6 +143,7 @@ class BatchedEngine(EngineThread):
                 self._fail_unexpected(item.request, EngineError("INTERNAL", f"engine forward failed: {exc!r}"))
             return
         self.num_steps += 1
+        self.step_cost.observe(self.num_batch_tokens, threads, self.forward_s)
         if not self.forward_prefills:
             self.forward_cost.observe(self.num_batch_tokens, threads, self.forward_s)
         finished: list[ForwardRequest] = []
@@ -132,6 +156,21 @@ class BatchedEngine(EngineThread):
         self._rows = {id(r): n for r, n in zip(finished, self._row_offsets(finished), strict=True)}
         self._logits = logits
         self.finish_batch(finished, logits)
+
+    def _step_attributes(self, batch: list[ScheduledItem]) -> dict[str, float]:
+        """Observes each decode request's wait behind prefill; the step span's scheduling attributes."""
+        now, longest = time.monotonic(), 0.0
+        for item in batch:
+            submitted = self.submitted_at(item.request) if item.is_decode and item.is_final else None
+            if submitted is not None:
+                waited = self.prefill_clock.waited(submitted, now)
+                self.metrics.prefill_wait.observe(waited)
+                longest = max(longest, waited)
+        bound = self.scheduler.last_step.bound_s
+        attributes = {"specmesh.step.max_prefill_wait_s": longest}
+        if bound is not None:
+            attributes["specmesh.step.time_bound_s"] = bound
+        return attributes
 
     def finish_batch(self, requests: list[ForwardRequest], logits: torch.Tensor) -> None:
         """logits [sum of num_logits, V]: the finished requests' rows back to back, in order. By default each

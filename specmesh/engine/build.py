@@ -17,6 +17,7 @@ from specmesh.engine.int8_linear import quantize_linears
 from specmesh.engine.model_runner import ModelRunner, kv_cache_geometry
 from specmesh.engine.paged_attention import PagedKVCache
 from specmesh.engine.qwen2_decoder import fuse_projections
+from specmesh.engine.step_budget import check_step_budget
 from specmesh.engine.vocab_head import restrict_lm_head
 from specmesh.models import LoadedModel, load_model
 
@@ -49,6 +50,7 @@ def build_engine_parts(config: EngineConfig, head_vocab: int = 0) -> EngineParts
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
     if config.forward not in FORWARDS:
         raise ValueError(f"forward must be one of {list(FORWARDS)}, got {config.forward!r}")
+    check_step_budget(config.step_cost_factor, config.min_prefill_tokens)
     torch.set_num_threads(config.num_threads)
     cache_dir = Path(config.cache_dir) if config.cache_dir else None
     loaded = load_model(config.model, dtype=DTYPES[config.dtype], cache_dir=cache_dir)

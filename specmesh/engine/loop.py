@@ -11,6 +11,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ class Completion:
         self.future: asyncio.Future[Any] = self._loop.create_future()
         # The submitting caller's span (the RPC's server span): the engine's forward span links to it.
         self.span_context = trace.get_current_span().get_span_context()
+        self.submitted_at = time.monotonic()      # the engine measures how long the work waited behind prefill
 
     def _set(self, fn: Callable[[], None]) -> None:
         if not self.future.done():

@@ -7,14 +7,25 @@ nothing else edits it.
 
 Rules (all tested in tests/test_scheduler.py without torch):
 
-* Requests are served in arrival order within a token budget (`max_num_batched_tokens`) and `max_num_seqs`.
-* A request whose tokens do not fit the remaining budget is chunked: a chunk runs only context tokens and always
-  stops before the logits tokens, so the final item of a request runs all of them in one forward. A chunk keeps its
-  place in the queue. A request whose logits tokens alone exceed the budget is refused at `enqueue`.
+* Work of sequences that are already decoding comes first: a "decode" request is one whose uncomputed context is
+  at most one block (the pending token, or what a preemption left beyond the prefix cache), so it runs whole in
+  one forward (verifies, decoding ahead, a prompt's last chunk). Decodes are scheduled in arrival order, then
+  prefill requests (the rest) in arrival order fill what is left of the step, then decodes that were deferred.
+* A step is sized in time as well as tokens (`StepBudget`, step_budget.py): with the engine's measured cost t(n),
+  a step carrying d decode tokens (or run while a stream is between two requests) costs at most
+  max(factor * t(max(d, 1)), t(d + min_prefill_tokens)). While prefill waits, decodes leave it one of the
+  `max_num_seqs` slots and min(min_prefill_tokens, max_num_batched_tokens // 2) tokens (unless the oldest request
+  of all is a decode), so a long prompt progresses every step and a decode waits at most one step per older
+  decode (one that does not fit beside that reserve waits until the prefill is done or it is the oldest).
+* Within `max_num_batched_tokens` a request whose tokens do not fit what is left is chunked: a chunk runs only
+  context tokens and always stops before the logits tokens, so the final item of a request runs all of them in one
+  forward. A request whose logits tokens alone exceed the budget is refused at `enqueue`.
 * At most one queued request per sequence.
 * When blocks run out, idle sequences (no queued work) are preempted first, then the newest waiting ones (only ones
   queued after the request that needs the room); a preempted sequence frees its blocks and recomputes later (its
-  verified full blocks usually come back from the prefix cache).
+  verified full blocks usually come back from the prefix cache). A request without KV room is not overtaken by
+  newer ones in that step; when the oldest request of all is a prefill that found no room, the next step is served
+  in plain arrival order, so it may take the room of newer decodes (KV is granted by age).
 * A fault while scheduling one request (an EngineError, or any bug) fails that request only: it leaves the queue,
   its sequence's KV is freed, and the other requests are scheduled as usual.
 """
@@ -29,6 +40,7 @@ from typing import Any
 
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.errors import EngineError
+from specmesh.engine.step_budget import StepBudget
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +70,17 @@ class ScheduledItem:
     start_pos: int                # first position run
     token_ids: list[int]          # tokens run this step
     is_final: bool                # logits are produced (otherwise a prefill chunk of context tokens only)
+    is_decode: bool = False       # work of a sequence already decoding (see Scheduler.is_decode), else prefill
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What the last `schedule` put in the step (metrics, step spans, tests)."""
+    num_decode_tokens: int = 0
+    num_prefill_tokens: int = 0
+    bound_s: float | None = None  # the step's time bound (None: token budget only)
+    blocked: bool = False         # a request found no KV room: newer ones waited behind it
+    in_arrival_order: bool = False  # oldest first: the oldest prefill found no KV room last step, or one slot
 
 
 Failure = tuple[ForwardRequest, EngineError]
@@ -68,12 +91,38 @@ class _Blocked(Exception):
 
 
 @dataclass
+class _Plan:
+    """One step being filled: the batch, the tokens still free, and how far in the queue it may go."""
+    queue: list[ForwardRequest]
+    tokens_left: int
+    batch: list[ScheduledItem] = field(default_factory=list)
+    done: set[int] = field(default_factory=set)          # id() of requests scheduled or failed this step
+    stop: int | None = None                              # queue index of a request blocked for KV room
+    failed: list[Failure] = field(default_factory=list)
+
+    def add(self, item: ScheduledItem) -> None:
+        self.batch.append(item)
+        self.tokens_left -= len(item.token_ids)
+        self.done.add(id(item.request))
+
+    def open(self, req: ForwardRequest) -> bool:
+        """Not yet scheduled or failed this step, and not behind a blocked request."""
+        return id(req) not in self.done and (self.stop is None or self.queue.index(req) < self.stop)
+
+    def tokens(self, decode: bool) -> int:
+        return sum(len(i.token_ids) for i in self.batch if i.is_decode == decode)
+
+
+@dataclass
 class Scheduler:
     block_manager: BlockManager
     max_num_batched_tokens: int
     max_num_seqs: int
+    step_budget: StepBudget = field(default_factory=StepBudget)
     num_preemptions: int = 0
+    last_step: StepStats = field(default_factory=StepStats, init=False)
     _waiting: list[ForwardRequest] = field(default_factory=list, init=False, repr=False)
+    _oldest_blocked: bool = field(default=False, init=False, repr=False)   # serve the next step in arrival order
 
     # ---- the queue ----------------------------------------------------------------------------------------------
     def enqueue(self, request: ForwardRequest) -> None:
@@ -135,46 +184,112 @@ class Scheduler:
         return iter(tuple(self._waiting))
 
     # ---- one step -----------------------------------------------------------------------------------------------
+    def is_decode(self, req: ForwardRequest) -> bool:
+        """Work of a sequence that is already decoding: its uncomputed context (the pending token, or what a
+        preemption left beyond the prefix cache) is at most one block, so it runs whole in one forward."""
+        seq = req.seq
+        return seq.allocated and len(seq.token_ids) - seq.num_computed <= self.block_manager.block_size
+
     def schedule(self, idle_seqs: Callable[[], Iterable[SeqState]]) -> tuple[list[ScheduledItem], list[Failure]]:
         """Returns (items for this forward, requests that must fail: expired, larger than the whole pool, faulty).
 
         Failed requests are already out of the queue."""
-        budget = self.max_num_batched_tokens
-        batch: list[ScheduledItem] = []
         failed = self._drop_expired()
         for req in list(self._waiting):
-            if budget <= 0 or len(batch) >= self.max_num_seqs:
-                break
             try:
-                item = self._schedule_one(req, budget, batch, idle_seqs)
-            except _Blocked:
-                break
+                self._prepare(req)
             except Exception as exc:     # one request's fault stays with that request
                 failed.append((req, self._fault(req, exc)))
+        plan = _Plan(list(self._waiting), self.max_num_batched_tokens, failed=failed)
+        decodes = [r for r in plan.queue if self.is_decode(r)]
+        prefills = [r for r in plan.queue if not self.is_decode(r)]
+        streams = bool(decodes) or self._streams_waiting(idle_seqs)      # a decode waits or may come any time
+        in_order = bool(prefills) and (self._oldest_blocked or self.max_num_seqs == 1 and plan.queue[0] is prefills[0])
+        if in_order:                     # KV by age (or one slot): oldest first, every item within the bound
+            bound = self.step_budget.bound(0, streams)
+            self._fill(plan, plan.queue, bound, idle_seqs)
+        else:
+            self._fill_decodes(plan, decodes, prefills, idle_seqs)
+            bound = self.step_budget.bound(plan.tokens(decode=True), streams)
+            self._fill(plan, prefills, bound, idle_seqs)
+            self._fill(plan, decodes, bound, idle_seqs)       # decodes deferred by the prefill's reserve
+        self._oldest_blocked = bool(prefills) and plan.stop == plan.queue.index(prefills[0])
+        self.last_step = StepStats(plan.tokens(decode=True), plan.tokens(decode=False), bound,
+                                   plan.stop is not None, in_order)
+        return plan.batch, plan.failed
+
+    def _fill_decodes(self, plan: _Plan, decodes: list[ForwardRequest], prefills: list[ForwardRequest],
+                      idle_seqs: Callable[[], Iterable[SeqState]]) -> None:
+        """Decodes first, in arrival order; while prefill waits they leave it a slot and min_prefill_tokens (at most
+        half the token budget; the oldest request of all, if a decode, takes what it needs)."""
+        reserve_seqs = 1 if prefills and self.max_num_seqs > 1 else 0
+        reserve = min(self.step_budget.min_prefill_tokens, self.max_num_batched_tokens // 2) if prefills else 0
+        for req in decodes:
+            if len(plan.batch) >= self.max_num_seqs - reserve_seqs:
+                return
+            room = plan.tokens_left if req is plan.queue[0] else plan.tokens_left - reserve
+            if room > 0 and req.seq.allocated and not self._place(plan, req, room, idle_seqs):
+                return
+
+    def _fill(self, plan: _Plan, requests: list[ForwardRequest], bound: float | None,
+              idle_seqs: Callable[[], Iterable[SeqState]]) -> None:
+        """Requests in order, each within the tokens left and the step's time bound."""
+        for req in requests:
+            if plan.tokens_left <= 0 or len(plan.batch) >= self.max_num_seqs:
+                return
+            if not plan.open(req):
                 continue
-            if item is None:
-                continue
-            batch.append(item)
-            budget -= len(item.token_ids)
+            num_tokens = self.max_num_batched_tokens - plan.tokens_left
+            room = self.step_budget.room(num_tokens, bound, plan.tokens_left)
+            if room > 0 and not self._place(plan, req, room, idle_seqs):
+                return
+
+    def _place(self, plan: _Plan, req: ForwardRequest, room: int,
+               idle_seqs: Callable[[], Iterable[SeqState]]) -> bool:
+        """Schedule what of `req` fits `room` tokens; False when it is blocked for KV room (the step stops)."""
+        try:
+            item = self._schedule_one(req, room, plan.batch, idle_seqs)
+        except _Blocked:
+            plan.stop = plan.queue.index(req)
+            return False
+        except Exception as exc:         # one request's fault stays with that request
+            plan.failed.append((req, self._fault(req, exc)))
+            plan.done.add(id(req))
+            return True
+        if item is not None:
+            plan.add(item)
             if item.is_final:
                 self.remove(req)
-        return batch, failed
+        return True
 
-    def _schedule_one(self, req: ForwardRequest, budget: int, batch: list[ScheduledItem],
-                      idle_seqs: Callable[[], Iterable[SeqState]]) -> ScheduledItem | None:
-        """The item `req` runs this step, None to skip it this step (its logits tokens need more room than is left);
-        raises _Blocked when there is no KV room for it."""
+    def _streams_waiting(self, idle_seqs: Callable[[], Iterable[SeqState]]) -> bool:
+        """A sequence holding KV with no work queued: a stream between two requests (its next may come any time)."""
+        queued = {r.seq.seq_id for r in self._waiting}
+        return any(s.allocated and s.seq_id not in queued for s in idle_seqs())
+
+    def _prepare(self, req: ForwardRequest) -> None:
+        """Allocate the sequence (prefix cache) and check its KV and its tokens."""
         seq = req.seq
         if not seq.allocated:
             seq.num_computed = self.block_manager.allocate(seq.seq_id, seq.token_ids[: seq.num_verified])
             seq.num_cached_tokens = seq.num_computed
             seq.allocated = True
         self._align_kv(seq)
-        start = seq.num_computed
-        num_pending = len(seq.token_ids) - start + len(req.extra_ids)
+        num_pending = len(seq.token_ids) - seq.num_computed + len(req.extra_ids)
         if num_pending < req.num_logits:
             raise EngineError("INTERNAL", f"seq {seq.seq_id} has {num_pending} tokens to run, fewer than the "
                               f"{req.num_logits} that need logits")
+
+    def _schedule_one(self, req: ForwardRequest, budget: int, batch: list[ScheduledItem],
+                      idle_seqs: Callable[[], Iterable[SeqState]]) -> ScheduledItem | None:
+        """The item `req` runs this step, None to skip it this step (its logits tokens need more room than is left);
+        raises _Blocked when there is no KV room for it."""
+        if not req.seq.allocated:        # a preemption earlier in this step freed its KV: recompute
+            self._prepare(req)
+        seq = req.seq
+        start = seq.num_computed
+        num_pending = len(seq.token_ids) - start + len(req.extra_ids)
+        decode = self.is_decode(req)
         if num_pending <= budget:
             run_ids, is_final = seq.token_ids[start:] + req.extra_ids, True
         else:
@@ -186,7 +301,7 @@ class Scheduler:
             if not batch and self._holds_only_itself(req):
                 raise EngineError("RESOURCE_EXHAUSTED", "the sequence does not fit in the KV cache")
             raise _Blocked
-        return ScheduledItem(req, start, run_ids, is_final)
+        return ScheduledItem(req, start, run_ids, is_final, decode)
 
     def _align_kv(self, seq: SeqState) -> None:
         """The block manager holds exactly num_computed tokens (a failed forward may have left reserved slots)."""

@@ -38,18 +38,22 @@ def num_context_tokens(item: ScheduledItem) -> int:
 
 
 def batch_attributes(batch: Sequence[ScheduledItem]) -> dict[str, int]:
-    """Sequences and tokens of a forward; prefill = context tokens beyond the one-token decode step."""
-    context = [num_context_tokens(i) for i in batch]
-    return {"specmesh.batch.num_seqs": len(batch), "specmesh.batch.num_tokens": sum(len(i.token_ids) for i in batch),
-            "specmesh.batch.num_prefill_tokens": sum(n for n in context if n > 1)}
+    """Sequences and tokens of a forward, and its composition as the scheduler put it: decode tokens (work of
+    sequences already decoding) and prefill tokens (prompt or recomputed context chunks)."""
+    decode = sum(len(i.token_ids) for i in batch if i.is_decode)
+    prefill = sum(len(i.token_ids) for i in batch if not i.is_decode)
+    return {"specmesh.batch.num_seqs": len(batch), "specmesh.batch.num_tokens": decode + prefill,
+            "specmesh.batch.num_decode_tokens": decode, "specmesh.batch.num_prefill_tokens": prefill}
 
 
 @contextmanager
 def forward_span(engine: str, metrics: EngineMetrics, batch: Sequence[ScheduledItem],
-                 links: Iterable[SpanContext | None] | None) -> Iterator[None]:
-    """Wraps one forward: a span named "<engine> forward" (unless links is None) and the batch metrics."""
+                 links: Iterable[SpanContext | None] | None,
+                 step_attributes: dict[str, float] | None = None) -> Iterator[None]:
+    """Wraps one forward: a span named "<engine> forward" (unless links is None) and the batch metrics.
+    step_attributes: more attributes of the span (the scheduler's time bound, the longest wait behind prefill)."""
     start = time.perf_counter()
-    attributes = batch_attributes(batch)
+    attributes: dict[str, float] = {**batch_attributes(batch), **(step_attributes or {})}
     if links is None:
         yield
     else:
@@ -59,3 +63,5 @@ def forward_span(engine: str, metrics: EngineMetrics, batch: Sequence[ScheduledI
     metrics.forward_seconds.observe(time.perf_counter() - start)
     metrics.batch_size.observe(len(batch))
     metrics.batch_tokens.observe(attributes["specmesh.batch.num_tokens"])
+    metrics.step_tokens.labels("decode").observe(attributes["specmesh.batch.num_decode_tokens"])
+    metrics.step_tokens.labels("prefill").observe(attributes["specmesh.batch.num_prefill_tokens"])

@@ -24,6 +24,9 @@ RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 DRAFT_LENGTH_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 BATCH_TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096)
+STEP_TOKEN_BUCKETS = (0, *BATCH_TOKEN_BUCKETS)
+PREFILL_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+STEP_KINDS = ("decode", "prefill")
 
 
 class GatewayMetrics:
@@ -87,6 +90,17 @@ class EngineMetrics:
                                       buckets=BATCH_TOKEN_BUCKETS, registry=r)
         self.forward_seconds = Histogram("specmesh_engine_forward_seconds", "Duration of one batched forward",
                                          buckets=LATENCY_BUCKETS, registry=r)
+        self.step_tokens = Histogram(
+            "specmesh_engine_step_tokens", "Tokens per engine step by kind (every step observes both, 0 included): "
+            "decode = work of sequences already decoding (verifies, decoding ahead), prefill = prompt or "
+            "recomputed context chunks; _sum per kind is the total tokens of that kind",
+            ["kind"], buckets=STEP_TOKEN_BUCKETS, registry=r)
+        for kind in STEP_KINDS:
+            self.step_tokens.labels(kind)
+        self.prefill_wait = Histogram(
+            "specmesh_engine_prefill_wait_seconds", "Per decode request with a waiting caller (a verify of a "
+            "running session): seconds between its submission and the step that ran it during which forwards "
+            "carrying prefill ran (0 when it waited behind none)", buckets=PREFILL_WAIT_BUCKETS, registry=r)
 
     def watch(self, queue_length: Callable[[], int], sessions: Callable[[], int], kv_used: Callable[[], int],
               kv_free: Callable[[], int]) -> None:
