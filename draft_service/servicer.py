@@ -12,8 +12,10 @@ import grpc
 
 from draft_service.engine import DraftEngine, Drafts
 from protos.specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from specmesh.config import InputLimits
 from specmesh.engine.loop import EngineError
 from specmesh.leases import SessionLeases, check_owner_token, check_session_id
+from specmesh.limits import check_token_ids
 from specmesh.proto_convert import sampling_from_proto, sparse_dists_to_proto
 
 MAX_TREE_WIDTH = 8
@@ -21,8 +23,9 @@ MAX_TREE_WIDTH = 8
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
     def __init__(self, engine: DraftEngine, vocab_size: int, max_draft_tokens: int, max_q_entries: int,
-                 leases: SessionLeases) -> None:
+                 leases: SessionLeases, limits: InputLimits | None = None) -> None:
         self.engine = engine
+        self.limits = limits or InputLimits()
         self.leases = leases
         self.vocab_size = vocab_size
         self.max_draft_tokens = max_draft_tokens
@@ -31,6 +34,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     def _validate(self, request: draft_pb2.ProposeRequest) -> None:
         check_session_id(request.session_id)
         check_owner_token(request.owner_token)
+        check_token_ids(len(request.new_token_ids), self.limits, "new_token_ids", "DRAFT")
         if request.num_draft_tokens > self.max_draft_tokens:
             raise EngineError("INVALID_ARGUMENT",
                               f"num_draft_tokens must be <= {self.max_draft_tokens}, got {request.num_draft_tokens}")

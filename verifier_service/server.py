@@ -29,7 +29,8 @@ def build_verifier(config: VerifierConfig) -> tuple[ServiceServer, VerifierEngin
     engine.ahead.guesses = config.decode_ahead_guesses
     leases = SessionLeases(config.session_lease_s)
     servicer = VerifierServicer(engine, parts.loaded.name, parts.loaded.model.config.vocab_size,
-                                parts.loaded.eos_token_ids, leases, config.max_draft_tokens)
+                                parts.loaded.eos_token_ids, leases, config.max_draft_tokens,
+                                config.limits)
     server = ServiceServer([SERVICE_NAME],
                            lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), credentials,
                            peer_interceptors(config.tls))

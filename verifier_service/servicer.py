@@ -13,9 +13,11 @@ from collections.abc import Sequence
 import grpc
 
 from protos.specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from specmesh.config import InputLimits
 from specmesh.engine.loop import EngineError
 from specmesh.grpc_server import deadline_of
 from specmesh.leases import SessionLeases, check_session_id
+from specmesh.limits import check_token_ids
 from specmesh.proto_convert import sampling_from_proto, sparse_dists_from_proto
 from specmesh.tree import check_parents
 from verifier_service.engine import VerifierEngine, VerifyResult
@@ -23,13 +25,15 @@ from verifier_service.engine import VerifierEngine, VerifyResult
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, engine: VerifierEngine, model_name: str, vocab_size: int,
-                 eos_token_ids: tuple[int, ...], leases: SessionLeases, max_draft_tokens: int = 64) -> None:
+                 eos_token_ids: tuple[int, ...], leases: SessionLeases, max_draft_tokens: int = 64,
+                 limits: InputLimits | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.leases = leases
         self.max_draft_tokens = max_draft_tokens
+        self.limits = limits or InputLimits()
 
     def _check_ids(self, ids: list[int], field: str) -> None:
         bad = [t for t in ids if t >= self.vocab_size]
@@ -39,6 +43,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def StartSession(self, request: verifier_pb2.StartSessionRequest,
                            context: grpc.aio.ServicerContext) -> verifier_pb2.StartSessionResponse:
         session_id = check_session_id(request.session_id)
+        check_token_ids(len(request.prompt_token_ids), self.limits, "prompt_token_ids", "VERIFIER")
         prompt_ids = list(request.prompt_token_ids)
         self._check_ids(prompt_ids, "prompt_token_ids")
         params = sampling_from_proto(request.sampling)
