@@ -17,6 +17,7 @@ import grpc
 from opentelemetry.context import Context
 
 from gateway.adaptive import DraftLengthController
+from gateway.cleanup import END_SESSION_RETRY_S, end_until_done
 from gateway.draft_tree import main_chain_len
 from gateway.drafters import NO_DRAFT, Draft, Drafter
 from gateway.request_state import RequestState, RoundEvent
@@ -91,6 +92,7 @@ class Generation:
         self.overlap = overlap
         self._next_draft: _NextDraft | None = None
         self.timeout_s = verifier_timeout_s
+        self.cleanup_retry_s = END_SESSION_RETRY_S   # EndSession retried up to this long (gateway/cleanup.py)
         self.state = RequestState(params.prompt_ids, params.max_new_tokens)   # budget, output, round counters
         if draft_length is not None:
             self.state.listeners.append(functools.partial(_observe_round, draft_length))
@@ -200,11 +202,13 @@ class Generation:
         with end_session_span(self.trace_context):
             calls = []
             if self.owner_token:
-                calls.append(self.verifier.EndSession(common_pb2.EndSessionRequest(
-                    session_id=self.session_id, owner_token=self.owner_token), timeout=5.0))
+                request = common_pb2.EndSessionRequest(session_id=self.session_id, owner_token=self.owner_token)
+                # Retried with backoff until done (gateway/cleanup.py): a hung verifier frees it once it resumes.
+                calls.append(end_until_done(lambda: self.verifier.EndSession(request, timeout=5.0), "verifier",
+                                            self.cleanup_retry_s))
             if self.drafter is not None:
                 calls.append(self.drafter.close())
             results = await asyncio.gather(*calls, return_exceptions=True)
         for r in results:
-            if isinstance(r, grpc.aio.AioRpcError):
-                log.warning("ending session %s: %s", self.session_id, r.details())
+            if isinstance(r, Exception):
+                log.warning("ending session %s: %r", self.session_id, r)

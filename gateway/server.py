@@ -94,7 +94,8 @@ async def build_gateway_parts(config: GatewayConfig, wait_for_verifier_s: float 
                            max_message_bytes=config.limits.max_body_bytes)
     metrics.registry.register(StatsCollector(server.stats))       # tier hits, draft-link bytes
     server.metrics = start_metrics(config.telemetry, config.host, metrics.registry)
-    watch = VerifierWatch(verifiers, addrs, server.set_ready)     # gRPC health (and HTTP /health) follow it
+    watch = VerifierWatch(verifiers, addrs, server.set_ready, config.health_probe_interval_s,
+                          config.health_probe_timeout_s, config.health_probe_failures)   # gRPC and HTTP health
     server.readiness = lambda: watch.serving
     watch.start()
     server.on_stop.append(watch.close)

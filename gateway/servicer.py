@@ -136,13 +136,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                    min(self.config.draft_timeout_s, verifier_timeout),
                                    tree_width=self.config.draft_tree_width, outcomes=self.outcomes,
                                    tree_pricing=draft_length.tree_width if draft_length else None,
-                                   branch_prefetch=self.config.overlap)
+                                   branch_prefetch=self.config.overlap,
+                                   cleanup_retry_s=self.config.end_session_retry_s)
         if self.tiers is not None and params.num_draft_tokens > 0:
             drafter = self.tiers.drafter(params, drafter, self.tiers.tenant(context.invocation_metadata()))
         first = next(self._next_replica) % len(self.verifiers)
         order = self.verifiers[first:] + self.verifiers[:first]
         generation = Generation(params, session_id, order, drafter, verifier_timeout, trace_context, draft_length,
                                 prefetch=self.config.draft_prefetch, overlap=self.config.overlap)
+        generation.cleanup_retry_s = self.config.end_session_retry_s
         generation.state.listeners.append(self._count_outcome)
         return generation
 
