@@ -89,3 +89,10 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self.leases.close(session_id)
         self.engine.end_session(session_id)
         return common_pb2.EndSessionResponse()
+
+    async def KeepAlive(self, request: common_pb2.KeepAliveRequest,
+                        context: grpc.aio.ServicerContext) -> common_pb2.KeepAliveResponse:
+        """Renews the lease of an open session (never creates one) and does nothing else."""
+        with self.leases.call(check_session_id(request.session_id), request.owner_token):
+            pass
+        return common_pb2.KeepAliveResponse(lease_s=self.leases.lease_s)

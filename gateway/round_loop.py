@@ -41,15 +41,16 @@ class RoundOutput:
 
 
 async def _session_alive(call: Awaitable[verifier_pb2.VerifyResponse]) -> verifier_pb2.VerifyResponse:
-    """A Verify refused for its owner token means the verifier ended this session: it was idle past the lease (a
-    round slower than the lease). Say so, rather than pass on a PERMISSION_DENIED the client did nothing to earn."""
+    """A Verify refused for its owner token means the verifier ended this session: it was idle past the lease (the
+    keep-alive could not reach it). Say so, rather than pass on a PERMISSION_DENIED the client did nothing to earn;
+    the verifier's message names the internal session id, so it is not passed on."""
     try:
         return await call
     except grpc.aio.AioRpcError as exc:
         if exc.code() != grpc.StatusCode.PERMISSION_DENIED:
             raise
         raise grpc.aio.AioRpcError(grpc.StatusCode.ABORTED, exc.initial_metadata(), exc.trailing_metadata(),
-                                   f"session ended by the verifier (idle past its lease): {exc.details()}") from exc
+                                   "the verifier ended this request's session (idle past its lease)") from exc
 
 
 @dataclass
@@ -82,6 +83,7 @@ class Generation:
         self.trace_context = trace_context          # the request span: parent of the prefill / round spans
         self.session_id = session_id
         self.owner_token = ""                       # the verifier's token for this session (from StartSession)
+        self.verifier_lease_s = 0.0                 # its lease as the verifier reported it (0: not known)
         self.verifiers = list(verifiers)            # replicas in the order to try; the session stays on one
         self.verifier = self.verifiers[0]
         self.drafter = drafter
@@ -188,6 +190,7 @@ class Generation:
                 log.warning("verifier replica %d unavailable (%s); trying the next", i, exc.details())
                 continue
             self.verifier, self.owner_token = stub, start.owner_token
+            self.verifier_lease_s = start.lease_s            # renewed while the stream is open (gateway/keepalive.py)
             return start
         raise AssertionError("unreachable: at least one verifier replica")
 

@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from gateway.adaptive import DraftLengthController
 from gateway.drafters import ModelDrafter
+from gateway.keepalive import SessionKeepAlive
 from gateway.learned_priors import LearnedPriors, PriorKey
 from gateway.request_state import RequestState, RoundEvent
 from gateway.request_telemetry import RequestTelemetry
@@ -24,6 +25,7 @@ from gateway.suffix_choice import ProposerChoice
 from gateway.suffix_drafter import SuffixDrafter
 from gateway.text_stream import TextStream
 from gateway.tiers import DraftTiers, tenant_from_metadata
+from gateway.upstream_errors import public_details
 from gateway.validation import GenerationParams, validate_request
 from protos.specmesh.v1 import common_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, verifier_pb2_grpc
 from specmesh.config import GatewayConfig
@@ -97,6 +99,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             await context.abort(status_code(exc.code), str(exc))
         telemetry.started(params)
         generation = self._new_generation(params, context, telemetry.context)
+        keepalive = SessionKeepAlive(generation, self.config.session_keepalive_s)   # a slow reader loses nothing
+        keepalive.start()
         learners = generation.draft_length, _choice_of(generation.drafter)
         prior_key = self._prior_key(params, context)
         if self.priors is not None:
@@ -106,9 +110,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 telemetry.on_response(response)
                 yield response
         except grpc.aio.AioRpcError as exc:
-            telemetry.fail(exc.code(), exc.details() or "")
-            await context.abort(exc.code(), f"verifier: {exc.details()}")
+            details = public_details("verifier", exc.details() or "", (generation.session_id,))
+            telemetry.fail(exc.code(), details)
+            await context.abort(exc.code(), details)
         finally:
+            keepalive.stop()
             telemetry.end(sys.exc_info()[1])
             if self.priors is not None:
                 self.priors.finish(prior_key, *learners)

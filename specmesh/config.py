@@ -123,6 +123,7 @@ class GatewayConfig:
     draft_timeout_s: float = 30.0          # a slower draft call falls back to target-only for a few rounds
     verifier_timeout_s: float = 120.0
     end_session_retry_s: float = 600.0     # a failed EndSession is retried with backoff up to this long
+    session_keepalive_s: float = 0.0       # renew open streams' session leases this often; 0 = a third of the lease
     health_probe_interval_s: float = 1.0   # verifier health probes: pause between rounds of probes
     health_probe_timeout_s: float = 2.0    # a probe slower than this failed
     health_probe_failures: int = 2         # failed probes in a row before a replica counts as down

@@ -59,7 +59,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self.engine.end_session(session_id)
             raise
         return verifier_pb2.StartSessionResponse(first_token_id=result.token_ids[0], owner_token=token,
-                                                 num_cached_prompt_tokens=result.num_cached_prompt_tokens)
+                                                 num_cached_prompt_tokens=result.num_cached_prompt_tokens,
+                                                 lease_s=self.leases.lease_s)
 
     async def Verify(self, request: verifier_pb2.VerifyRequest,
                      context: grpc.aio.ServicerContext) -> verifier_pb2.VerifyResponse:
@@ -87,6 +88,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.leases.close(session_id)
         self.engine.end_session(session_id)
         return common_pb2.EndSessionResponse()
+
+    async def KeepAlive(self, request: common_pb2.KeepAliveRequest,
+                        context: grpc.aio.ServicerContext) -> common_pb2.KeepAliveResponse:
+        """Renews the lease (a call that ends now) and does nothing else."""
+        with self.leases.call(check_session_id(request.session_id), request.owner_token):
+            pass
+        return common_pb2.KeepAliveResponse(lease_s=self.leases.lease_s)
 
     async def GetModelInfo(self, request: verifier_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> verifier_pb2.ModelInfo:
