@@ -43,6 +43,7 @@ from gateway.openai_protocol import (
     parse_completion,
     usage_dict,
 )
+from gateway.quotas import retry_after_header
 from protos.specmesh.v1 import generate_pb2, generate_pb2_grpc
 from specmesh.channels import internal_channel
 from specmesh.config import GatewayConfig, InputLimits
@@ -64,6 +65,13 @@ class ServedModel:
     name: str
     max_model_len: int
     created: int
+
+
+def relayed_error(exc: grpc.aio.AioRpcError) -> ApiError:
+    """The HTTP error of the gRPC service's answer, with Retry-After when it carried a retry hint (overload)."""
+    error = ApiError.from_grpc(exc.code(), exc.details() or "")
+    error.headers.update(retry_after_header(exc.trailing_metadata()))
+    return error
 
 
 def _sse(payload: dict[str, Any] | str) -> bytes:
@@ -223,7 +231,7 @@ class OpenAIHttp:
         try:
             reply = await self._stub().Complete(parsed.request, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
-            raise ApiError.from_grpc(exc.code(), exc.details() or "") from None
+            raise relayed_error(exc) from None
         return web.json_response(completion_object(
             chat, reply.request_id, self.model.name, int(time.time()), reply.text, finish_reason(reply.finish_reason),
             usage_dict(reply.usage)))
@@ -235,7 +243,7 @@ class OpenAIHttp:
         try:
             first = await anext(responses)           # errors before any output become a plain HTTP error
         except grpc.aio.AioRpcError as exc:
-            raise ApiError.from_grpc(exc.code(), exc.details() or "") from None
+            raise relayed_error(exc) from None
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         try:

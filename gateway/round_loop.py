@@ -84,6 +84,7 @@ class Generation:
         self.session_id = session_id
         self.owner_token = ""                       # the verifier's token for this session (from StartSession)
         self.verifier_lease_s = 0.0                 # its lease as the verifier reported it (0: not known)
+        self.tenant = ""                            # the request's tenant, told to the verifier (admission share)
         self.verifiers = list(verifiers)            # replicas in the order to try; the session stays on one
         self.verifier = self.verifiers[0]
         self.drafter = drafter
@@ -180,7 +181,7 @@ class Generation:
         request = verifier_pb2.StartSessionRequest(
             session_id=self.session_id, prompt_token_ids=self.params.prompt_ids,
             sampling=sampling_to_proto(self.params.sampling), max_new_tokens=self.params.max_new_tokens,
-            speculative=self.params.num_draft_tokens > 0)
+            speculative=self.params.num_draft_tokens > 0, tenant=self.tenant)
         for i, stub in enumerate(self.verifiers):
             try:
                 start = await stub.StartSession(request, timeout=self.timeout_s)

@@ -17,6 +17,7 @@ from gateway.adaptive import DraftLengthController
 from gateway.drafters import ModelDrafter
 from gateway.keepalive import SessionKeepAlive
 from gateway.learned_priors import LearnedPriors, PriorKey
+from gateway.quotas import Refusal, TenantQuotas, retry_metadata
 from gateway.request_state import RequestState, RoundEvent
 from gateway.request_telemetry import RequestTelemetry
 from gateway.round_loop import Generation, RoundOutput
@@ -32,6 +33,7 @@ from specmesh.config import GatewayConfig
 from specmesh.engine.loop import EngineError
 from specmesh.grpc_server import status_code
 from specmesh.leases import new_session_id
+from specmesh.security import DEFAULT_TENANT
 from specmesh.telemetry.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self._cleanups: set[asyncio.Task[None]] = set()
         self.outcomes = RoundOutcomes()             # how model-drafted rounds ended (gateway-wide counters)
         self.priors = LearnedPriors() if config.learned_priors else None   # what ended requests measured
+        self.quotas = TenantQuotas.from_config(config)  # per-tenant streams and queued tokens (keys file)
 
     async def Generate(self, request: generate_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
@@ -97,8 +100,18 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         except EngineError as exc:
             telemetry.fail(status_code(exc.code), str(exc))
             await context.abort(status_code(exc.code), str(exc))
+        tenant = tenant_from_metadata(context.invocation_metadata(), self.quotas.api_keys) or DEFAULT_TENANT
+        ticket = self.quotas.admit(tenant, len(params.prompt_ids) + params.max_new_tokens)
+        if isinstance(ticket, Refusal):                  # the tenant's fair share (gateway/quotas.py)
+            self.metrics.tenant_refusals.labels(self.quotas.label(tenant), ticket.limit).inc()
+            telemetry.fail(grpc.StatusCode.RESOURCE_EXHAUSTED, ticket.message)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, ticket.message,
+                                retry_metadata(ticket.retry_after_s))
+        streams = self.metrics.tenant_streams.labels(self.quotas.label(tenant))
+        streams.inc()
         telemetry.started(params)
         generation = self._new_generation(params, context, telemetry.context)
+        generation.tenant = tenant                       # the verifier keeps a share for tenants holding nothing
         keepalive = SessionKeepAlive(generation, self.config.session_keepalive_s)   # a slow reader loses nothing
         keepalive.start()
         learners = generation.draft_length, _choice_of(generation.drafter)
@@ -112,9 +125,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         except grpc.aio.AioRpcError as exc:
             details = public_details("verifier", exc.details() or "", (generation.session_id,))
             telemetry.fail(exc.code(), details)
-            await context.abort(exc.code(), details)
+            overloaded = exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+            await context.abort(exc.code(), details, retry_metadata(self.config.retry_after_s) if overloaded else ())
         finally:
             keepalive.stop()
+            ticket.release()
+            streams.dec()
             telemetry.end(sys.exc_info()[1])
             if self.priors is not None:
                 self.priors.finish(prior_key, *learners)

@@ -110,7 +110,10 @@ class GatewayConfig:
     port: int = 50051
     http_port: int = 0                     # OpenAI-compatible HTTP API (gateway/openai_http.py); 0 = off
     api_keys: str = ""                     # comma-separated KEY or KEY:TENANT for `authorization: Bearer`; "" = open
-    api_keys_file: str = ""                # file with one KEY or KEY:TENANT per line (e.g. a mounted secret)
+    api_keys_file: str = ""                # file with one KEY, KEY:TENANT or KEY:TENANT:LIMITS per line
+    tenant_max_streams: int = 0            # generations a tenant may have open at once (own limits win); 0 = any
+    tenant_max_queued_tokens: int = 0      # prompt + max_new_tokens of a tenant's open generations; 0 = any
+    retry_after_s: float = 1.0             # retry hint of an overload refusal (Retry-After, grpc-retry-pushback-ms)
     verifier_addr: str = "127.0.0.1:50061"  # comma-separated replicas: a session starts on the first that takes it
     draft_addr: str = "127.0.0.1:50062"   # "" = no draft service (target-only)
     tokenizer: str = ""                    # model reference for the tokenizer; "" = the verifier's model

@@ -21,12 +21,13 @@ from specmesh.limits import check_token_ids
 from specmesh.proto_convert import sampling_from_proto, sparse_dists_from_proto
 from specmesh.tree import check_parents
 from verifier_service.engine import VerifierEngine, VerifyResult
+from verifier_service.tenant_share import TenantShare
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, engine: VerifierEngine, model_name: str, vocab_size: int,
                  eos_token_ids: tuple[int, ...], leases: SessionLeases, max_draft_tokens: int = 64,
-                 limits: InputLimits | None = None) -> None:
+                 limits: InputLimits | None = None, share: TenantShare | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.vocab_size = vocab_size
@@ -34,6 +35,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.leases = leases
         self.max_draft_tokens = max_draft_tokens
         self.limits = limits or InputLimits()
+        self.share = share or TenantShare(getattr(engine, "max_num_sessions", 1 << 30), 0)   # per-tenant admission
 
     def _check_ids(self, ids: list[int], field: str) -> None:
         bad = [t for t in ids if t >= self.vocab_size]
@@ -47,6 +49,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         prompt_ids = list(request.prompt_token_ids)
         self._check_ids(prompt_ids, "prompt_token_ids")
         params = sampling_from_proto(request.sampling)
+        if session_id not in self.leases:                 # (an open id is refused ALREADY_EXISTS just below)
+            self.share.admit(session_id, request.tenant, self.leases)
         token = self.leases.open(session_id)
         try:
             with self.leases.call(session_id, token):
@@ -56,6 +60,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         except BaseException:
             # Failed or cancelled (the caller went away): nobody holds the token, so nothing may stay open.
             self.leases.close(session_id)
+            self.share.release(session_id)
             self.engine.end_session(session_id)
             raise
         return verifier_pb2.StartSessionResponse(first_token_id=result.token_ids[0], owner_token=token,
