@@ -50,7 +50,7 @@ class InputLimits:
     max_request_id_len: int = 128            # characters of request_id
     max_concurrent_tokenize: int = 4         # /v1/tokenize calls tokenizing at once (more wait): bounds the RSS
     max_token_ids: int = 131_072             # token ids in one internal call (StartSession's prompt, Propose's
-                                             # new_token_ids)
+                                             # new_token_ids, a Verify's draft_dists entries together)
 
 
 @dataclass(frozen=True)

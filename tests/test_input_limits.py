@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import aiohttp
 import grpc
 import pytest
@@ -11,7 +14,7 @@ import pytest_asyncio
 
 from draft_service.servicer import DraftServicer
 from gateway.openai_http import ServedModel, start_openai_http
-from protos.specmesh.v1 import draft_pb2, generate_pb2, generate_pb2_grpc, verifier_pb2
+from protos.specmesh.v1 import common_pb2, draft_pb2, generate_pb2, generate_pb2_grpc, verifier_pb2
 from specmesh import client
 from specmesh.config import GatewayConfig, InputLimits, load_config
 from specmesh.engine.errors import EngineError
@@ -139,6 +142,15 @@ async def test_verifier_caps_the_prompt_token_ids() -> None:
     assert len(servicer.leases) == 0
 
 
+async def test_verifier_caps_the_entries_of_draft_dists() -> None:
+    servicer = VerifierServicer(None, "m", 1000, (), SessionLeases(60.0), limits=LIMITS)    # type: ignore[arg-type]
+    dists = [common_pb2.SparseDist(token_ids=list(range(30)), probs=[1.0] * 30)] * 2
+    request = verifier_pb2.VerifyRequest(session_id="s", draft_token_ids=[1, 2], draft_dists=dists)
+    with pytest.raises(EngineError) as info:
+        await servicer.Verify(request, None)    # type: ignore[arg-type]
+    assert str(info.value) == "draft_dists has 60 token ids; the limit is 50 (SPECMESH_VERIFIER_MAX_TOKEN_IDS)"
+
+
 async def test_verifier_caps_the_draft_tokens() -> None:
     servicer = VerifierServicer(None, "m", 1000, (), SessionLeases(60.0), max_draft_tokens=4)  # type: ignore[arg-type]
     with pytest.raises(EngineError) as info:
@@ -156,3 +168,47 @@ def test_draft_service_caps(fields: dict, message: str) -> None:
     with pytest.raises(EngineError) as info:
         servicer._validate(draft_pb2.ProposeRequest(session_id="s", owner_token="t", **fields))
     assert info.value.code == "INVALID_ARGUMENT" and str(info.value) == message
+
+
+class BlockingTokenizer:
+    """Counts how many calls tokenize at once; each waits until released (it runs in a worker thread)."""
+
+    chat_template = None
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.inside = self.most = 0
+        self.release = threading.Event()
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        with self.lock:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+        self.release.wait(30)
+        with self.lock:
+            self.inside -= 1
+        return {"input_ids": [1, 2, 3]}
+
+
+async def test_tokenize_calls_wait_their_turn() -> None:
+    tokenizer = BlockingTokenizer()
+    http = await start_openai_http(ServedModel("m", 1024, 0), "127.0.0.1", 0, lambda: "unused",
+                                   tokenizer=tokenizer, limits=InputLimits(max_concurrent_tokenize=2))
+    url = f"http://127.0.0.1:{http.port}/v1/tokenize"
+    try:
+        async with aiohttp.ClientSession() as session:
+            async def tokenize() -> int:
+                async with session.post(url, json={"prompt": "hello"}) as response:
+                    return (await response.json())["count"]
+
+            calls = [asyncio.ensure_future(tokenize()) for _ in range(5)]
+            while tokenizer.inside < 2:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)                 # the other three are queued, not tokenizing
+            assert tokenizer.inside == 2
+            tokenizer.release.set()
+            assert await asyncio.gather(*calls) == [3] * 5
+        assert tokenizer.most == 2
+    finally:
+        tokenizer.release.set()
+        await http.close()

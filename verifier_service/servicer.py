@@ -73,6 +73,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if len(request.draft_token_ids) > self.max_draft_tokens:
             raise EngineError("INVALID_ARGUMENT", f"draft_token_ids has {len(request.draft_token_ids)} tokens; "
                               f"the limit is max_draft_tokens = {self.max_draft_tokens}")
+        check_token_ids(sum(len(d.token_ids) for d in request.draft_dists), self.limits, "draft_dists",
+                        "VERIFIER")
         with self.leases.call(session_id, request.owner_token):
             draft_ids = list(request.draft_token_ids)
             self._check_ids(draft_ids, "draft_token_ids")
