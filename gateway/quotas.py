@@ -11,18 +11,26 @@ Refusals are counted per tenant in `specmesh_tenant_refusals_total{tenant, limit
 `specmesh_tenant_streams{tenant}`; tenants named in the keys file are labelled by name, any other as "other" (without
 API keys the tenant is whatever a header says, so its name would be an unbounded label).
 
-Plain ints: no I/O, no clock.
+The bookkeeping (TenantQuotas, Ticket) is plain ints: no I/O, no clock; `admit_or_abort` is the servicer's call.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
 
 from specmesh.config import GatewayConfig
 from specmesh.security import DEFAULT_TENANT, api_key_entries, parse_api_keys, split_entry, unbound_key_tenant
+from specmesh.telemetry.metrics import GatewayMetrics
+
+if TYPE_CHECKING:
+    from gateway.request_telemetry import RequestTelemetry
+    from gateway.validation import GenerationParams
 
 PUSHBACK_KEY = "grpc-retry-pushback-ms"
 LIMIT_NAMES = {"streams": "max_streams", "tokens": "max_queued_tokens"}
@@ -81,17 +89,43 @@ def retry_after_header(trailing: Sequence[tuple[str, str | bytes]] | None) -> di
     return {}
 
 
-class Ticket:
-    """An admitted generation's share; `release()` once it ended (idempotent)."""
+def overload_metadata(code: grpc.StatusCode, retry_after_s: float) -> tuple[tuple[str, str], ...]:
+    """The retry hint for a relayed overload refusal (RESOURCE_EXHAUSTED, UNAVAILABLE); () for other codes."""
+    overloaded = code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+    return retry_metadata(retry_after_s) if overloaded else ()
 
-    def __init__(self, quotas: TenantQuotas, tenant: str, tokens: int) -> None:
-        self.quotas, self.tenant, self.tokens = quotas, tenant, tokens
+
+class Ticket:
+    """An admitted generation's share; `release()` once it ended (idempotent). `on_release`: e.g. the open-streams
+    gauge's dec."""
+
+    def __init__(self, quotas: TenantQuotas, tenant: str, tokens: int,
+                 on_release: Callable[[], None] | None = None) -> None:
+        self.quotas, self.tenant, self.tokens, self.on_release = quotas, tenant, tokens, on_release
         self._held = True
 
     def release(self) -> None:
         if self._held:
             self._held = False
             self.quotas._release(self.tenant, self.tokens)
+            if self.on_release is not None:
+                self.on_release()
+
+
+async def admit_or_abort(quotas: TenantQuotas, metrics: GatewayMetrics, tenant: str, params: GenerationParams,
+                         context: grpc.aio.ServicerContext, telemetry: RequestTelemetry) -> Ticket:
+    """The request's ticket, or the call aborted RESOURCE_EXHAUSTED with the retry hint (counted per tenant)."""
+    label = quotas.label(tenant)
+    ticket = quotas.admit(tenant, len(params.prompt_ids) + params.max_new_tokens)
+    if isinstance(ticket, Refusal):
+        metrics.tenant_refusals.labels(label, ticket.limit).inc()
+        telemetry.fail(grpc.StatusCode.RESOURCE_EXHAUSTED, ticket.message)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, ticket.message, retry_metadata(ticket.retry_after_s))
+        raise AssertionError("unreachable: abort raises")
+    gauge = metrics.tenant_streams.labels(label)
+    gauge.inc()
+    ticket.on_release = gauge.dec
+    return ticket
 
 
 class TenantQuotas:

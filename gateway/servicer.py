@@ -17,7 +17,7 @@ from gateway.adaptive import DraftLengthController
 from gateway.drafters import ModelDrafter
 from gateway.keepalive import SessionKeepAlive
 from gateway.learned_priors import LearnedPriors, PriorKey
-from gateway.quotas import Refusal, TenantQuotas, retry_metadata
+from gateway.quotas import TenantQuotas, admit_or_abort, overload_metadata
 from gateway.request_state import RequestState, RoundEvent
 from gateway.request_telemetry import RequestTelemetry
 from gateway.round_loop import Generation, RoundOutput
@@ -101,14 +101,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             telemetry.fail(status_code(exc.code), str(exc))
             await context.abort(status_code(exc.code), str(exc))
         tenant = tenant_from_metadata(context.invocation_metadata(), self.quotas.api_keys) or DEFAULT_TENANT
-        ticket = self.quotas.admit(tenant, len(params.prompt_ids) + params.max_new_tokens)
-        if isinstance(ticket, Refusal):                  # the tenant's fair share (gateway/quotas.py)
-            self.metrics.tenant_refusals.labels(self.quotas.label(tenant), ticket.limit).inc()
-            telemetry.fail(grpc.StatusCode.RESOURCE_EXHAUSTED, ticket.message)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, ticket.message,
-                                retry_metadata(ticket.retry_after_s))
-        streams = self.metrics.tenant_streams.labels(self.quotas.label(tenant))
-        streams.inc()
+        ticket = await admit_or_abort(self.quotas, self.metrics, tenant, params, context, telemetry)   # fair share
         telemetry.started(params)
         generation = self._new_generation(params, context, telemetry.context)
         generation.tenant = tenant                       # the verifier keeps a share for tenants holding nothing
@@ -125,12 +118,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         except grpc.aio.AioRpcError as exc:
             details = public_details("verifier", exc.details() or "", (generation.session_id,))
             telemetry.fail(exc.code(), details)
-            overloaded = exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
-            await context.abort(exc.code(), details, retry_metadata(self.config.retry_after_s) if overloaded else ())
+            await context.abort(exc.code(), details, overload_metadata(exc.code(), self.config.retry_after_s))
         finally:
             keepalive.stop()
             ticket.release()
-            streams.dec()
             telemetry.end(sys.exc_info()[1])
             if self.priors is not None:
                 self.priors.finish(prior_key, *learners)
