@@ -16,10 +16,10 @@ from gateway.keepalive import keepalive_interval_s, model_drafter_of
 from gateway.server import load_tokenizer
 from gateway.servicer import GenerationServicer, ModelInfo
 from gateway.upstream_errors import public_details
-from protos.specmesh.v1 import common_pb2, draft_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from protos.specmesh.v1 import common_pb2, draft_pb2_grpc, generate_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specmesh import client
 from specmesh.config import DraftConfig, EngineConfig, GatewayConfig, VerifierConfig
-from tests.stack import Running
+from tests.stack import Running, start_gateway
 from verifier_service.server import build_verifier
 
 LEASE_S = 1.5
@@ -103,3 +103,30 @@ async def test_keepalive_never_creates_a_draft_session(leased) -> None:
             await draft_pb2_grpc.DraftStub(channel).KeepAlive(
                 common_pb2.KeepAliveRequest(session_id="nobody", owner_token="t"), timeout=10)
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED and "nobody" not in draft.engine.sessions
+
+
+SMALL_WINDOW = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]   # the client's flow control
+
+
+async def test_a_grpc_client_that_stops_reading_gets_its_whole_output(leased) -> None:
+    """Over real gRPC: with a small flow-control window the gateway's writes wait and its rounds stop (about 32
+    tokens in) while the client reads nothing for twice the lease; then it reads the rest."""
+    servicer, verifier, draft = leased
+    gateway = await start_gateway(verifier.addr, draft.addr)
+    prompt_len = len(servicer.tokenizer(PROMPT)["input_ids"])
+    request = client.make_request(PROMPT, max_new_tokens=200, ignore_eos=True, num_draft_tokens=3)
+    try:
+        async with grpc.aio.insecure_channel(gateway.addr, options=SMALL_WINDOW) as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            undisturbed = [t async for r in stub.Generate(request, timeout=120) for t in r.token_ids]
+            call = stub.Generate(request, timeout=120)
+            paused = list((await call.read()).token_ids)
+            await asyncio.sleep(2 * LEASE_S + 0.5)
+            held = [len(s.seq.token_ids) for s in verifier.engine.sessions.values()]
+            while (response := await call.read()) != grpc.aio.EOF:
+                paused.extend(response.token_ids)
+        assert len(undisturbed) == 200 and paused == undisturbed
+        assert len(held) == 1 and held[0] < prompt_len + 200       # paused mid-stream, its session still open
+        assert expired(verifier) == 0 and expired(draft) == 0
+    finally:
+        await gateway.stop()
