@@ -5,8 +5,9 @@ with no call for its lease is ended by the service. So from the moment the verif
 stream ends, one small task per request sends `KeepAlive` (verifier and, once it holds a session there, the draft
 service) every interval: `session_keepalive_s`, or a third of the shortest lease the services reported (the
 verifier's StartSessionResponse.lease_s, KeepAliveResponse.lease_s), 20 s while none did. A session thus ends by
-lease only when its gateway is gone. What a paused stream holds stays bounded: no round runs, so the gateway keeps
-one round's response; the verifier decodes at most decode_ahead_tokens ahead; the KV blocks are the session's own.
+lease only when its gateway is gone. What a paused stream holds stays bounded: once its HTTP/2 window is full no
+round runs, so the gateway holds what the window let through (at most max_new_tokens of responses) and one round;
+the verifier decodes at most decode_ahead_tokens ahead; the KV blocks are the session's own.
 
 A service that does not know KeepAlive (UNIMPLEMENTED: an older one) is not asked again; other failures are logged
 at debug level and retried at the next interval (a real loss shows up in the request's next round).
