@@ -1,22 +1,28 @@
-"""Fair share per tenant: concurrent streams and queued tokens, configured per API key in the keys file.
+"""Fair share per tenant: concurrent streams, queued tokens and a token rate, configured per API key in the keys
+file.
 
-An entry `KEY:TENANT:streams=4,tokens=20000` gives TENANT (every key bound to it shares the tenant's budget):
+An entry `KEY:TENANT:streams=4,tokens=20000,rate=500` gives TENANT (every key bound to it shares the budget):
 - `streams`: generations open at once (a stream that does not read holds its slot until it ends);
-- `tokens`: queued tokens, the prompt tokens + max_new_tokens of its open generations together.
-Tenants without limits of their own get SPECMESH_GATEWAY_TENANT_MAX_STREAMS / ..._TENANT_MAX_QUEUED_TOKENS
-(0 = unlimited, the default). Over a limit: RESOURCE_EXHAUSTED (HTTP 429) naming the limit, with a retry hint:
-gRPC trailing metadata `grpc-retry-pushback-ms` and HTTP `Retry-After` (`retry_metadata`, `retry_after_header`).
-The same hint goes with the gateway's other overload refusals (the verifier's RESOURCE_EXHAUSTED / UNAVAILABLE).
+- `tokens`: queued tokens, the prompt tokens + max_new_tokens of its open generations together;
+- `rate`: tokens per second admitted (prompt + max_new_tokens of each request, charged when it starts) from a
+  bucket holding RATE_BURST_S seconds' worth; the retry hint says when the bucket will hold the request.
+Tenants without limits of their own get SPECMESH_GATEWAY_TENANT_MAX_STREAMS / ..._TENANT_MAX_QUEUED_TOKENS /
+..._TENANT_TOKENS_PER_S (0 = unlimited, the default). Over a limit: RESOURCE_EXHAUSTED (HTTP 429) naming the
+limit, with a retry hint: gRPC trailing metadata `grpc-retry-pushback-ms` and HTTP `Retry-After`
+(`retry_metadata`, `retry_after_header`). The same hint goes with the gateway's other overload refusals (the
+verifier's RESOURCE_EXHAUSTED / UNAVAILABLE).
 Refusals are counted per tenant in `specmesh_tenant_refusals_total{tenant, limit}` and open streams in
 `specmesh_tenant_streams{tenant}`; tenants named in the keys file are labelled by name, any other as "other" (without
 API keys the tenant is whatever a header says, so its name would be an unbounded label).
 
-The bookkeeping (TenantQuotas, Ticket) is plain ints: no I/O, no clock; `admit_or_abort` is the servicer's call.
+The bookkeeping (TenantQuotas, Ticket) is plain numbers with an injected clock, no I/O; `admit_or_abort` is the
+servicer's call.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -33,18 +39,20 @@ if TYPE_CHECKING:
     from gateway.validation import GenerationParams
 
 PUSHBACK_KEY = "grpc-retry-pushback-ms"
-LIMIT_NAMES = {"streams": "max_streams", "tokens": "max_queued_tokens"}
+LIMIT_NAMES = {"streams": "max_streams", "tokens": "max_queued_tokens", "rate": "tokens_per_s"}
+RATE_BURST_S = 10.0             # a tenant's rate bucket holds this many seconds of its rate
 
 
 @dataclass(frozen=True)
 class TenantLimits:
     max_streams: int = 0           # generations open at once; 0 = unlimited
     max_queued_tokens: int = 0     # prompt + max_new_tokens of the open generations together; 0 = unlimited
+    tokens_per_s: int = 0          # prompt + max_new_tokens admitted per second (a bucket); 0 = unlimited
 
 
 @dataclass(frozen=True)
 class Refusal:
-    limit: str                     # "streams" or "tokens"
+    limit: str                     # "streams", "tokens" or "rate"
     message: str
     retry_after_s: float
 
@@ -55,7 +63,7 @@ def parse_limits(text: str, where: str) -> TenantLimits:
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, _, raw = (p.strip() for p in item.partition("="))
         if name not in LIMIT_NAMES or not raw.isdigit():
-            raise ValueError(f"{where}: limits must look like streams=N,tokens=N (non-negative integers), "
+            raise ValueError(f"{where}: limits must look like streams=N,tokens=N,rate=N (non-negative integers), "
                              f"got {item!r}")
         values[LIMIT_NAMES[name]] = int(raw)
     return TenantLimits(**values)
@@ -130,8 +138,9 @@ async def admit_or_abort(quotas: TenantQuotas, metrics: GatewayMetrics, tenant: 
 
 class TenantQuotas:
     def __init__(self, limits: dict[str, TenantLimits], default: TenantLimits, retry_after_s: float = 1.0,
-                 api_keys: dict[str, str] | None = None) -> None:
-        self.limits, self.default, self.retry_after_s = limits, default, retry_after_s
+                 api_keys: dict[str, str] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits, self.default, self.retry_after_s, self.clock = limits, default, retry_after_s, clock
+        self.buckets: dict[str, tuple[float, float]] = {}     # tenant -> (tokens in its rate bucket, at clock)
         self.api_keys = api_keys or {}        # key -> tenant, for resolving a call's tenant
         self.named = {t or unbound_key_tenant(k) for k, t in self.api_keys.items()} | set(limits) | {DEFAULT_TENANT}
         self.streams: Counter[str] = Counter()
@@ -140,7 +149,8 @@ class TenantQuotas:
     @classmethod
     def from_config(cls, config: GatewayConfig) -> TenantQuotas:
         entries = api_key_entries(config)
-        default = TenantLimits(config.tenant_max_streams, config.tenant_max_queued_tokens)
+        default = TenantLimits(config.tenant_max_streams, config.tenant_max_queued_tokens,
+                               config.tenant_tokens_per_s)
         return cls(parse_tenant_limits(entries), default, config.retry_after_s, parse_api_keys(entries))
 
     def limits_of(self, tenant: str) -> TenantLimits:
@@ -159,9 +169,30 @@ class TenantQuotas:
             return Refusal("tokens", f"tenant {tenant!r} would queue {self.queued_tokens[tenant] + tokens} tokens "
                            f"(prompt + max_new_tokens of its open generations); its limit is "
                            f"{limits.max_queued_tokens}", self.retry_after_s)
+        if limits.tokens_per_s:
+            refusal = self._take(tenant, tokens, limits.tokens_per_s)
+            if refusal is not None:
+                return refusal
         self.streams[tenant] += 1
         self.queued_tokens[tenant] += tokens
         return Ticket(self, tenant, tokens)
+
+    def _take(self, tenant: str, tokens: int, rate: int) -> Refusal | None:
+        """Takes `tokens` from the tenant's rate bucket (refilled at `rate` per second up to RATE_BURST_S of it)."""
+        capacity = rate * RATE_BURST_S
+        now = self.clock()
+        level, at = self.buckets.get(tenant, (capacity, now))
+        level = min(capacity, level + (now - at) * rate)
+        if tokens > capacity:
+            self.buckets[tenant] = (level, now)
+            return Refusal("rate", f"a request of {tokens} tokens (prompt + max_new_tokens) is more than tenant "
+                           f"{tenant!r} may start in {RATE_BURST_S:g} s ({rate} tokens/s)", RATE_BURST_S)
+        if tokens > level:
+            self.buckets[tenant] = (level, now)
+            return Refusal("rate", f"tenant {tenant!r} is over its rate of {rate} tokens/s (prompt + "
+                           "max_new_tokens of the requests it starts)", (tokens - level) / rate)
+        self.buckets[tenant] = (level - tokens, now)
+        return None
 
     def _release(self, tenant: str, tokens: int) -> None:
         self.streams[tenant] -= 1

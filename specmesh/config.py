@@ -113,6 +113,7 @@ class GatewayConfig:
     api_keys_file: str = ""                # file with one KEY, KEY:TENANT or KEY:TENANT:LIMITS per line
     tenant_max_streams: int = 0            # generations a tenant may have open at once (own limits win); 0 = any
     tenant_max_queued_tokens: int = 0      # prompt + max_new_tokens of a tenant's open generations; 0 = any
+    tenant_tokens_per_s: int = 0           # prompt + max_new_tokens a tenant may start per second; 0 = any
     retry_after_s: float = 1.0             # retry hint of an overload refusal (Retry-After, grpc-retry-pushback-ms)
     verifier_addr: str = "127.0.0.1:50061"  # comma-separated replicas: a session starts on the first that takes it
     draft_addr: str = "127.0.0.1:50062"   # "" = no draft service (target-only)

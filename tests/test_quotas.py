@@ -39,8 +39,8 @@ def test_limits_are_parsed_from_key_entries() -> None:
     assert parse_api_keys(entries) == {"key-a": "acme", "key-a2": "acme", "key-b": "beta", "key-c": ""}
     assert parse_tenant_limits(entries) == {"acme": TenantLimits(2, 500)}
     assert parse_limits("tokens=7", "x") == TenantLimits(0, 7)
-    for bad in ("streams=-1", "stream=2", "streams=two", "streams"):
-        with pytest.raises(ValueError, match="streams=N,tokens=N"):
+    for bad in ("streams=-1", "stream=2", "streams=two", "streams", "rate=1.5"):
+        with pytest.raises(ValueError, match="streams=N,tokens=N,rate=N"):
             parse_limits(bad, "API key entry 1")
     with pytest.raises(ValueError, match="already has other limits") as info:
         parse_tenant_limits(["key-a:acme:streams=2", "key-x:acme:streams=3"])
@@ -62,6 +62,22 @@ def test_quotas_count_streams_and_queued_tokens() -> None:
     assert isinstance(quotas.admit("acme", 60), Ticket)
     assert all(isinstance(quotas.admit("anyone", 10**6), Ticket) for _ in range(50))   # no limits: any
     assert quotas.label("acme") == "acme" and quotas.label("anyone") == "other"
+
+
+def test_a_token_rate_refuses_with_the_time_until_the_bucket_holds_the_request() -> None:
+    now = [0.0]
+    quotas = TenantQuotas({"acme": TenantLimits(tokens_per_s=100)}, TenantLimits(), clock=lambda: now[0])
+    for _ in range(5):                                                 # the bucket holds 10 s x 100 tokens
+        ticket = quotas.admit("acme", 200)
+        assert isinstance(ticket, Ticket)
+        ticket.release()
+    refused = quotas.admit("acme", 50)
+    assert isinstance(refused, Refusal) and refused.limit == "rate" and refused.retry_after_s == 0.5
+    now[0] = 0.5                                                       # 50 tokens refilled
+    assert isinstance(quotas.admit("acme", 50), Ticket)
+    too_big = quotas.admit("acme", 1001)
+    assert isinstance(too_big, Refusal) and "more than tenant 'acme' may start in 10 s" in too_big.message
+    assert parse_limits("rate=100,streams=1", "x") == TenantLimits(max_streams=1, tokens_per_s=100)
 
 
 def test_retry_after_comes_from_the_pushback() -> None:
