@@ -1,7 +1,8 @@
 """Fair share per tenant: concurrent streams, queued tokens and a token rate, configured per API key in the keys
 file.
 
-An entry `KEY:TENANT:streams=4,tokens=20000,rate=500` gives TENANT (every key bound to it shares the budget):
+An entry `KEY:TENANT:streams=4,tokens=20000,rate=500` (in SPECMESH_GATEWAY_API_KEYS, whose entries are
+comma-separated, write `streams=4;tokens=20000;rate=500`) gives TENANT (every key bound to it shares the budget):
 - `streams`: generations open at once (a stream that does not read holds its slot until it ends);
 - `tokens`: queued tokens, the prompt tokens + max_new_tokens of its open generations together;
 - `rate`: tokens per second admitted (prompt + max_new_tokens of each request, charged when it starts) from a
@@ -58,9 +59,10 @@ class Refusal:
 
 
 def parse_limits(text: str, where: str) -> TenantLimits:
-    """`streams=4,tokens=20000` (either, both, or empty) -> TenantLimits; ValueError naming `where` and the keys."""
+    """`streams=4,tokens=20000,rate=500` (any of them, or none; `;` separates them too: needed inside the
+    comma-separated SPECMESH_GATEWAY_API_KEYS) -> TenantLimits; ValueError naming `where` and the keys."""
     values: dict[str, int] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
+    for item in filter(None, (part.strip() for part in text.replace(";", ",").split(","))):
         name, _, raw = (p.strip() for p in item.partition("="))
         if name not in LIMIT_NAMES or not raw.isdigit():
             raise ValueError(f"{where}: limits must look like streams=N,tokens=N,rate=N (non-negative integers), "

@@ -39,6 +39,8 @@ def test_limits_are_parsed_from_key_entries() -> None:
     assert parse_api_keys(entries) == {"key-a": "acme", "key-a2": "acme", "key-b": "beta", "key-c": ""}
     assert parse_tenant_limits(entries) == {"acme": TenantLimits(2, 500)}
     assert parse_limits("tokens=7", "x") == TenantLimits(0, 7)
+    config = GatewayConfig(api_keys="key-a:acme:streams=2;tokens=500,key-b:beta")      # `;` inside the variable
+    assert TenantQuotas.from_config(config).limits == {"acme": TenantLimits(2, 500)}
     for bad in ("streams=-1", "stream=2", "streams=two", "streams", "rate=1.5"):
         with pytest.raises(ValueError, match="streams=N,tokens=N,rate=N"):
             parse_limits(bad, "API key entry 1")
