@@ -36,6 +36,9 @@ PIN_LIMIT = 3
 API_KEYS = f"{TRAFFIC_KEY}:soak,soak-pin:pinner:streams={PIN_LIMIT},soak-victim:victim"
 SCENARIOS = ("pinning", "overload", "hung", "slow")
 HEALTH_DOWN_BOUND_S = 6.0          # failures x (interval + timeout) with the gateway's defaults (README)
+# A client's small HTTP/2 window: a stream that does not read then really stops its rounds (backpressure); with
+# the default window the tiny model's whole output fits in the transport's buffers.
+SMALL_WINDOW = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
 
 
 def key(name: str) -> tuple[tuple[str, str], ...]:
@@ -61,7 +64,7 @@ async def first_then_hold(stub: generate_pb2_grpc.GenerationStub, request: objec
 
 
 async def pinning(services: SoakServices, args: Any) -> dict[str, Any]:
-    async with grpc.aio.insecure_channel(services.gateway_addr) as channel:
+    async with grpc.aio.insecure_channel(services.gateway_addr, options=SMALL_WINDOW) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         hold = asyncio.Event()
         request = client.make_request("Once upon a time", max_new_tokens=args.max_model_len // 2, ignore_eos=True)
@@ -122,11 +125,12 @@ async def gateway_serving(addr: str) -> bool:
 async def hung_verifier(services: SoakServices, args: Any) -> dict[str, Any]:
     pid = services.stack.procs["verifier"].pid
     expired_before = metric_value(services.metrics_text("verifier"), "specmesh_sessions_expired_total") or 0.0
-    async with grpc.aio.insecure_channel(services.gateway_addr) as channel:
+    async with grpc.aio.insecure_channel(services.gateway_addr, options=SMALL_WINDOW) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         request = client.make_request("def fibonacci(n):", max_new_tokens=args.max_model_len // 2, ignore_eos=True)
         streams = [asyncio.ensure_future(first_then_hold(stub, request, METADATA, asyncio.Event())) for _ in range(2)]
-        await asyncio.sleep(1.0)                      # both hold a verifier session now
+        await asyncio.sleep(1.0)                      # both hold a verifier session now (paused: small window)
+        held_at_stop = (await services.verifier_info()).num_sessions
         os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
         down_s = None
@@ -151,20 +155,21 @@ async def hung_verifier(services: SoakServices, args: Any) -> dict[str, Any]:
     # A hang longer than the lease may let the verifier's reaper end a session at once on resume (fine: it is the
     # lease doing its job); reported so the soak's expiry check can tell it from an abandoned session.
     expired = (metric_value(services.metrics_text("verifier"), "specmesh_sessions_expired_total") or 0.0)
-    failures = []
+    failures = [] if held_at_stop else ["hung verifier: no session was held when the verifier stopped"]
     if args.hang_s > HEALTH_DOWN_BOUND_S + 1 and (down_s is None or down_s > HEALTH_DOWN_BOUND_S + 1):
         failures.append(f"hung verifier: NOT_SERVING after {down_s} s (documented: {HEALTH_DOWN_BOUND_S} s)")
     if released_s is None or released_s >= args.lease_s:
         failures.append(f"hung verifier: sessions freed {released_s} s after it resumed (lease {args.lease_s} s)")
-    return {"hang_s": args.hang_s, "not_serving_after_s": None if down_s is None else round(down_s, 1),
+    return {"hang_s": args.hang_s, "sessions_at_stop": held_at_stop,
+            "not_serving_after_s": None if down_s is None else round(down_s, 1),
             "sessions_freed_after_resume_s": None if released_s is None else round(released_s, 1),
             "sessions_expired": int(expired - expired_before), "failures": failures}
 
 
 async def slow_reader(services: SoakServices, args: Any) -> dict[str, Any]:
-    request = client.make_request("def fibonacci(n):", max_new_tokens=48, ignore_eos=True, num_draft_tokens=4)
+    request = client.make_request("def fibonacci(n):", max_new_tokens=160, ignore_eos=True, num_draft_tokens=4)
     expired_before = metric_value(services.metrics_text("verifier"), "specmesh_sessions_expired_total") or 0.0
-    async with grpc.aio.insecure_channel(services.gateway_addr) as channel:
+    async with grpc.aio.insecure_channel(services.gateway_addr, options=SMALL_WINDOW) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         undisturbed = [t async for r in stub.Generate(request, metadata=METADATA, timeout=120) for t in r.token_ids]
         call = stub.Generate(request, metadata=METADATA, timeout=120 + 2 * args.lease_s)
