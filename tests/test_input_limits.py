@@ -81,6 +81,11 @@ async def test_grpc_caps(gateway, cap: str) -> None:
     assert details == f"{message} (SPECMESH_GATEWAY_{name})"
 
 
+async def test_grpc_num_draft_tokens_cap(gateway) -> None:
+    code, details = await _refusal(gateway["grpc"], client.make_request("hi", num_draft_tokens=17))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details == "num_draft_tokens must be <= 16, got 17"
+
+
 async def test_grpc_message_over_the_body_cap(gateway) -> None:
     code, _ = await _refusal(gateway["grpc"], generate_pb2.GenerateRequest(prompt="a" * 9000))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED             # refused by gRPC before it is decoded
