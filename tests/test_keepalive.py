@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import types
 
 import grpc
 import pytest
 import pytest_asyncio
 
 from draft_service.server import build_draft
-from gateway.keepalive import keepalive_interval_s, model_drafter_of
+from gateway.keepalive import SessionKeepAlive, keepalive_interval_s, model_drafter_of
 from gateway.server import load_tokenizer
 from gateway.servicer import GenerationServicer, ModelInfo
 from gateway.upstream_errors import public_details
@@ -32,6 +33,43 @@ def test_interval_is_a_third_of_the_shortest_lease() -> None:
     assert keepalive_interval_s(0.0, [0.0]) == 20.0                  # nobody said: 20 s
     assert keepalive_interval_s(5.0, [3.0]) == 5.0                   # configured wins
     assert model_drafter_of(None) is None
+
+
+class CountingVerifier:
+    def __init__(self, lease_s: float) -> None:
+        self.lease_s, self.calls = lease_s, 0
+
+    async def _answer(self) -> common_pb2.KeepAliveResponse:
+        return common_pb2.KeepAliveResponse(lease_s=self.lease_s)
+
+    def KeepAlive(self, request: common_pb2.KeepAliveRequest, timeout: float):  # noqa: ANN201, N802
+        assert request.session_id == "sid" and request.owner_token == "tok"
+        self.calls += 1
+        return self._answer()
+
+
+async def test_renewals_follow_the_lease_on_a_virtual_clock() -> None:
+    now = [0.0]
+
+    async def sleep(seconds: float) -> None:
+        now[0] += seconds
+        await asyncio.sleep(0)
+
+    verifier = CountingVerifier(lease_s=6.0)
+    generation = types.SimpleNamespace(verifier=verifier, session_id="sid", owner_token="", verifier_lease_s=0.0,
+                                       drafter=None)
+    keepalive = SessionKeepAlive(generation, sleep=sleep, clock=lambda: now[0])   # type: ignore[arg-type]
+    keepalive.start()
+    while now[0] < 30.0:                              # no session yet: nothing to renew
+        await asyncio.sleep(0)
+    assert verifier.calls == 0
+    generation.owner_token, generation.verifier_lease_s = "tok", 6.0   # StartSession answered
+    start = now[0]
+    while now[0] < start + 20.0:
+        await asyncio.sleep(0)
+    keepalive.stop()
+    assert keepalive.interval_s() == 2.0 and 9 <= verifier.calls <= 10    # every lease / 3
+    assert keepalive.num_renewals == verifier.calls
 
 
 def test_errors_never_show_the_internal_session_id() -> None:
