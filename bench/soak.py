@@ -13,6 +13,10 @@ num_draft_tokens 0..8; client cancels; short deadlines; two fixed greedy prompts
 tokens every time. Sessions left by a killed gateway are reclaimed by the session lease (--lease-s, passed as
 SPECMESH_{VERIFIER,DRAFT}_SESSION_LEASE_S; ignored by services that have no lease).
 
+Then the abuse scenarios run one after another (bench/soak_scenarios.py, --scenarios): session pinning by one
+tenant over its stream limit, an overload burst, a verifier hung by SIGSTOP, a slow reader pausing for twice the
+lease; each reports what it saw beside the outcomes, and its failures fail the run.
+
 At the end traffic stops, the script waits until nothing is held (at most lease + --margin-s), then reports outcomes
 by status code (INTERNAL/UNKNOWN must be zero), greedy checks, KV blocks and sessions still held on the verifier
 (GetModelInfo) and the draft service (/metrics), RSS per service, Redis used_memory and kills per service; writes
@@ -43,6 +47,7 @@ from bench.soak_report import (  # noqa: E402
     tally,
     verdict,
 )
+from bench.soak_scenarios import API_KEYS, SCENARIOS, run_scenarios  # noqa: E402
 from bench.soak_services import SoakServices, chaos, sample_every  # noqa: E402
 from bench.soak_traffic import Mix, calibrate, worker  # noqa: E402
 from specmesh.launcher import PRESETS  # noqa: E402
@@ -70,7 +75,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-redis", action="store_true")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for the services, e.g. SPECMESH_VERIFIER_DTYPE=int8 (repeatable)")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS),
+                   help="abuse scenarios run after the traffic (bench/soak_scenarios.py; '' = none)")
+    p.add_argument("--overload-streams", type=int, default=300, help="overload scenario: requests at once")
+    p.add_argument("--hang-s", type=float, default=8, help="hung-verifier scenario: SIGSTOP this long")
     args = p.parse_args(argv)
+    bad = set(filter(None, args.scenarios.split(","))) - set(SCENARIOS)
+    if bad:
+        p.error(f"--scenarios takes {','.join(SCENARIOS)}, not {','.join(sorted(bad))}")
     unknown = set(filter(None, args.kill.split(","))) - set(KILLABLE)
     if unknown:
         p.error(f"--kill takes {','.join(KILLABLE)}, not {','.join(sorted(unknown))}")
@@ -78,7 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def service_env(args: argparse.Namespace) -> dict[str, str]:
-    env: dict[str, str] = {"SPECMESH_GATEWAY_CACHE_SECRET": "soak"}   # a restarted gateway reads the same keys
+    env: dict[str, str] = {"SPECMESH_GATEWAY_CACHE_SECRET": "soak",   # a restarted gateway reads the same keys
+                           "SPECMESH_GATEWAY_API_KEYS": API_KEYS}     # tenants with quotas (the scenarios)
     for svc in ("VERIFIER", "DRAFT"):
         env[f"SPECMESH_{svc}_MAX_MODEL_LEN"] = str(args.max_model_len)
         env[f"SPECMESH_{svc}_MAX_NUM_BATCHED_TOKENS"] = str(args.max_num_batched_tokens)
@@ -144,6 +157,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         held_timeline: list[list[float]] = []
         outcomes, greedy = await traffic(services, args, mix, started, held_timeline)
         ran_s = time.monotonic() - started
+        names = [n for n in args.scenarios.split(",") if n]
+        log(f"scenarios: {', '.join(names) or 'none'}")
+        scenarios = await run_scenarios(services, args, names)
         held, waited = await wait_released(services, args.lease_s + args.margin_s)
         log(f"held state read after waiting {waited:.0f} s")
         services.sample_rss()
@@ -160,13 +176,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "gateway_request_errors_last_process": metric_samples(gateway_errors, "specmesh_request_errors_total"),
             "kills": dict(services.kills),
             # a killed gateway leaves at most one session per stream behind; more expiries mean a live one abandons
-            "sessions_expired_explained_by_kills": services.kills["gateway"] * args.streams,
+            # (and a verifier hung past the lease may have its sessions reaped on resume: the hung scenario's count)
+            "sessions_expired_explained_by_kills": services.kills["gateway"] * args.streams
+            + scenarios.get("hung", {}).get("sessions_expired", 0),
             "kill_windows": [[w.service, round(w.killed_s - started, 1), round(w.up_s - w.killed_s, 1)]
                              for w in services.windows],
             "verifier_timeline": {"columns": ["t_s", "sessions", "kv_blocks_used", "waiting"],
                                   "rows": held_timeline},
             "long_prompts": [vars(p) for p in mix.long_prompts],
-            "failures": verdict(counts, held, greedy)}
+            "scenarios": scenarios,
+            "failures": verdict(counts, held, greedy) + [f for r in scenarios.values() for f in r["failures"]]}
 
 
 def main() -> None:

@@ -195,5 +195,16 @@ def format_table(result: Mapping[str, Any]) -> str:
     lines.append(f"sessions expired by lease: {result['sessions_expired']} (gateway kills x streams = {bound})"
                  + ("   !!! more than the gateway kills explain: sessions abandoned by a live gateway?"
                     if any(n > bound for n in expired.values()) else ""))
+    lines += format_scenarios(result.get("scenarios", {}))
     lines.append("PASS" if not result["failures"] else "FAIL: " + "; ".join(result["failures"]))
     return "\n".join(lines)
+
+
+def format_scenarios(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The abuse scenarios' lines (bench/soak_scenarios.py): what each saw, ok or FAIL with its reasons."""
+    lines = ["scenarios:"] if results else []
+    for name, result in results.items():
+        shown = ", ".join(f"{k} {v}" for k, v in result.items() if k != "failures")
+        lines.append(f"  {name:<9}{'FAIL' if result['failures'] else 'ok  '}  {shown}")
+        lines += [f"  !!! {f}" for f in result["failures"]]
+    return lines

@@ -26,6 +26,9 @@ FIXED_HEAD = "#00000000"
 GAPS = (8, 24, 56)                        # room left for new tokens after each long prompt
 CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
                    ("grpc.max_reconnect_backoff_ms", 1000))
+# The soak's gateway has API keys (bench/soak_scenarios.py: tenants with quotas); the mixed traffic uses this one.
+TRAFFIC_KEY = "soak-traffic"
+METADATA = (("authorization", f"Bearer {TRAFFIC_KEY}"),)
 CHECK_SHORT = "check-short"
 CHECK_LONG = "check-long"
 
@@ -64,7 +67,8 @@ def long_text(units: int, pad: int, unique: bool, rng: random.Random) -> str:
 
 
 async def prompt_tokens(stub: generate_pb2_grpc.GenerationStub, text: str) -> int:
-    reply = await stub.Complete(client.make_request(text, max_new_tokens=1, num_draft_tokens=0), timeout=600)
+    reply = await stub.Complete(client.make_request(text, max_new_tokens=1, num_draft_tokens=0), timeout=600,
+                                metadata=METADATA)
     return reply.usage.prompt_tokens
 
 
@@ -134,7 +138,7 @@ async def run_one(stub: generate_pb2_grpc.GenerationStub, spec: Spec, greedy: Gr
     """One request; its outcome is appended to `outcomes` even when the task is cancelled at the end of the run."""
     outcome = Outcome(spec.kind, "OK", time.monotonic(), 0.0, spec.short_deadline)
     token_ids: list[int] = []
-    call = stub.Generate(spec.request, timeout=spec.timeout_s)
+    call = stub.Generate(spec.request, timeout=spec.timeout_s, metadata=METADATA)
     try:
         responses = 0
         async for response in call:

@@ -25,7 +25,7 @@ def build_draft(config: DraftConfig) -> tuple[ServiceServer, DraftEngine]:
     engine.set_step_budget(config.engine.step_cost_factor, config.engine.min_prefill_tokens)
     leases = SessionLeases(config.session_lease_s)
     servicer = DraftServicer(engine, parts.loaded.model.config.vocab_size, config.max_draft_tokens,
-                             config.max_q_entries, leases)
+                             config.max_q_entries, leases, config.limits)
     server = ServiceServer([SERVICE_NAME], lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s),
                            credentials, peer_interceptors(config.tls))
     server.metrics = start_metrics(config.telemetry, config.host, engine.metrics.registry)

@@ -29,7 +29,7 @@ async def _main(argv: list[str]) -> None:
         loopback = add_loopback_port(server)
         http = await start_openai_http(model, config.host, config.http_port, lambda: loopback,
                                        grpc.aio.insecure_channel, gateway.metrics, gateway.tokenizer, ssl_context,
-                                       load_api_keys(config))
+                                       load_api_keys(config), config.limits)
         server.on_stop.append(http.close)
         logging.getLogger(__name__).info("OpenAI-compatible HTTP API on %s://%s:%d/v1",
                                          "https" if ssl_context else "http", config.host, http.port)

@@ -32,10 +32,11 @@ class ApiError(Exception):
     """An error answered as OpenAI's `{"error": {...}}` body with an HTTP status."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, relayed: bool = False) -> None:
+                 code: str | None = None, relayed: bool = False, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.relayed = relayed      # answered by the gRPC service (already counted in its metrics)
+        self.headers = headers or {}  # extra response headers (Retry-After on a 429 / 503)
 
     @classmethod
     def from_grpc(cls, code: grpc.StatusCode, details: str, relayed: bool = True) -> ApiError:

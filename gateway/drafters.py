@@ -7,7 +7,6 @@ service fails or is slow, the round goes on without drafts (target-only) and dra
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import secrets
@@ -19,6 +18,7 @@ import grpc
 
 if TYPE_CHECKING:
     from gateway.round_outcomes import RoundOutcomes
+from gateway.cleanup import END_SESSION_RETRY_S, end_until_done
 from gateway.draft_link import BACKOFF_ROUNDS, DraftLink, LinkCall, OnError
 from gateway.draft_tree import build_tree, main_chain_len
 from gateway.verify_cost import UNKNOWN_COST, VerifyCost
@@ -105,6 +105,7 @@ class ModelDrafter:
     bytes_sent: int = 0                      # serialized Propose requests / responses (the draft link's traffic)
     bytes_received: int = 0
     _prefetch: _Prefetch | None = None
+    cleanup_retry_s: float = END_SESSION_RETRY_S   # EndSession retried up to this long (gateway/cleanup.py)
 
     @property
     def num_failures(self) -> int:
@@ -245,9 +246,9 @@ class ModelDrafter:
             await self._branch.close()
         if self.bytes_sent == 0:
             return                                # never proposed (other tiers drafted): no session to end
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            await self.stub.EndSession(common_pb2.EndSessionRequest(session_id=self.session_id,
-                                                                    owner_token=self.owner_token), timeout=2.0)
+        request = common_pb2.EndSessionRequest(session_id=self.session_id, owner_token=self.owner_token)
+        await end_until_done(lambda: self.stub.EndSession(request, timeout=2.0), "draft service",
+                             self.cleanup_retry_s)
 
 
 def _to_draft(response: draft_pb2.ProposeResponse, start: int, num_tokens: int) -> Draft:

@@ -1,9 +1,12 @@
 """The gateway's readiness: it can serve while at least one verifier replica answers.
 
-A small watcher probes every replica with GetModelInfo (short timeout) every `interval_s`, on the same channels
-the requests use, and reports each change of "some replica answers" to `on_change` (the gateway's gRPC health,
-which the HTTP API's /health reads too). A replica counts as down after `failures_to_down` failed probes in a row
-(one slow answer on a loaded machine does not flap the health) and as up again after one answered probe.
+A small watcher probes every replica with GetModelInfo (timeout `timeout_s`), pausing `interval_s` between rounds
+of probes, on the same channels the requests use, and reports each change of "some replica answers" to `on_change`
+(the gateway's gRPC health, which the HTTP API's /health reads too). A replica counts as down after
+`failures_to_down` failed probes in a row (one slow answer on a loaded machine does not flap the health) and as up
+again after one answered probe. So a verifier that hangs is reported NOT_SERVING at most
+`failures_to_down * (interval_s + timeout_s)` after its last answer (`down_within_s`: 6 s with the defaults
+1 s, 2 s, 2) and SERVING again at most `interval_s + timeout_s` after it answers again.
 """
 
 from __future__ import annotations
@@ -23,14 +26,20 @@ log = logging.getLogger(__name__)
 class VerifierWatch:
     def __init__(self, verifiers: Sequence[verifier_pb2_grpc.VerifierStub], names: Sequence[str],
                  on_change: Callable[[bool], Awaitable[None]], interval_s: float = 1.0, timeout_s: float = 2.0,
-                 failures_to_down: int = 2) -> None:
+                 failures_to_down: int = 2, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self.verifiers = list(verifiers)
         self.names = list(names)
         self.on_change = on_change
         self.interval_s, self.timeout_s, self.failures_to_down = interval_s, timeout_s, failures_to_down
+        self.sleep = sleep                             # injectable: tests run the timing on a virtual clock
         self.failures = [0] * len(self.verifiers)      # consecutive failed probes per replica
         self.serving = True                            # the gateway was built after a verifier answered
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def down_within_s(self) -> float:
+        """Longest time from a replica's last answer to NOT_SERVING (it hangs just after answering a probe)."""
+        return self.failures_to_down * (self.interval_s + self.timeout_s)
 
     def replica_up(self, index: int) -> bool:
         return self.failures[index] < self.failures_to_down
@@ -60,7 +69,7 @@ class VerifierWatch:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self.interval_s)
+            await self.sleep(self.interval_s)
             try:
                 await self.probe_once()
             except Exception:                  # never let the watcher die silently

@@ -13,13 +13,12 @@ from typing import Any
 from aiohttp import web
 
 from gateway.openai_protocol import ApiError
-from specmesh.config import TlsConfig
-from specmesh.grpc_server import MAX_MESSAGE_BYTES
+from specmesh.config import InputLimits, TlsConfig
 from specmesh.telemetry.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = MAX_MESSAGE_BYTES    # the gRPC API's message limit; a larger body is refused with 413
+MAX_BODY_BYTES = InputLimits().max_body_bytes   # the default cap (InputLimits.max_body_bytes); larger: 413
 JSON_CONTENT_TYPES = ("application/json", "")     # no Content-Type at all is taken as JSON (curl -d, some tools)
 # HTTP statuses of refusals made by the HTTP layer -> the gRPC code label they are counted under
 # (specmesh_request_errors_total{code=...}, the same labels as the gRPC API's refusals)
@@ -33,7 +32,7 @@ def grpc_code_label(status: int) -> str:
     return GRPC_CODE_OF_STATUS.get(status, "INTERNAL" if status >= 500 else "INVALID_ARGUMENT")
 
 
-def _api_error_of(exc: web.HTTPException, request: web.Request) -> ApiError:
+def _api_error_of(exc: web.HTTPException, request: web.Request, max_body_bytes: int) -> ApiError:
     """aiohttp's own refusals, worded as OpenAI words them."""
     message = exc.reason
     if exc.status == 404:
@@ -42,11 +41,13 @@ def _api_error_of(exc: web.HTTPException, request: web.Request) -> ApiError:
     elif isinstance(exc, web.HTTPMethodNotAllowed):
         message = f"{exc.method} is not allowed on {request.path}; allowed: {', '.join(sorted(exc.allowed_methods))}"
     elif exc.status == 413:
-        message = f"the request body is larger than the limit of {MAX_BODY_BYTES} bytes"
+        message = (f"the request body is larger than the limit of {max_body_bytes} bytes "
+                   "(SPECMESH_GATEWAY_MAX_BODY_BYTES)")
     return ApiError(exc.status, message, code=exc.reason.lower().replace(" ", "_"))
 
 
-def error_middleware(metrics: GatewayMetrics | None) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def error_middleware(metrics: GatewayMetrics | None, max_body_bytes: int = MAX_BODY_BYTES
+                     ) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
     """Turns ApiError, aiohttp's HTTP errors (404, 405, 413, ...) and any unexpected exception into OpenAI's
     `{"error": {...}}` JSON; counts the refusals the HTTP layer made itself (the gRPC service counts its own)."""
 
@@ -59,13 +60,13 @@ def error_middleware(metrics: GatewayMetrics | None) -> Callable[[web.Request, H
         except web.HTTPException as exc:
             if exc.status < 400:                   # redirects and the like pass through
                 raise
-            error = _api_error_of(exc, request)
+            error = _api_error_of(exc, request, max_body_bytes)
         except Exception:                          # a bug: logged with its traceback, answered as JSON
             log.exception("unexpected error answering %s %s", request.method, request.path)
             error = ApiError(500, "internal error (logged by the gateway)", "server_error", code="internal_error")
         if metrics is not None and not error.relayed:
             metrics.errors.labels(grpc_code_label(error.status)).inc()
-        return web.json_response(error.body(), status=error.status)
+        return web.json_response(error.body(), status=error.status, headers=error.headers)
 
     return openai_errors
 

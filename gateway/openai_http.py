@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from transformers import PreTrainedTokenizerBase
 
 import specmesh
-from gateway.http_edge import MAX_BODY_BYTES, error_middleware, forwarded_metadata, json_object
+from gateway.http_edge import error_middleware, forwarded_metadata, json_object
 from gateway.openai_protocol import (
     ApiError,
     ParsedRequest,
@@ -43,10 +43,13 @@ from gateway.openai_protocol import (
     parse_completion,
     usage_dict,
 )
+from gateway.quotas import retry_after_header
 from protos.specmesh.v1 import generate_pb2, generate_pb2_grpc
 from specmesh.channels import internal_channel
-from specmesh.config import GatewayConfig
+from specmesh.config import GatewayConfig, InputLimits
+from specmesh.engine.errors import EngineError
 from specmesh.grpc_server import ServiceServer
+from specmesh.limits import check_messages, check_prompt, field_of
 from specmesh.security import TENANT_HEADER, ApiKeys, Denied, resolve_tenant
 from specmesh.telemetry.metrics import GatewayMetrics
 
@@ -64,6 +67,13 @@ class ServedModel:
     created: int
 
 
+def relayed_error(exc: grpc.aio.AioRpcError) -> ApiError:
+    """The HTTP error of the gRPC service's answer, with Retry-After when it carried a retry hint (overload)."""
+    error = ApiError.from_grpc(exc.code(), exc.details() or "")
+    error.headers.update(retry_after_header(exc.trailing_metadata()))
+    return error
+
+
 def _sse(payload: dict[str, Any] | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n".encode()
@@ -73,19 +83,23 @@ class OpenAIHttp:
     """The aiohttp app; `grpc_target()` names the gateway's gRPC address (known once the gRPC server is bound).
     `metrics`: the gateway's (HTTP refusals counted, /metrics served); `tokenizer`: for /v1/tokenize;
     `ssl_context`: HTTPS (gateway.http_edge.http_ssl_context); `api_keys`: the gateway's, checked on every /v1/
-    route with the gRPC API's rule (specmesh.security.resolve_tenant; the gRPC service checks generations again)."""
+    route with the gRPC API's rule (specmesh.security.resolve_tenant; the gRPC service checks generations again);
+    `limits`: the body cap, and the prompt / messages caps of /v1/tokenize (generations: the gRPC service's)."""
 
     def __init__(self, model: ServedModel, grpc_target: Callable[[], str],
                  channel_factory: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
                  metrics: GatewayMetrics | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
-                 ssl_context: ssl.SSLContext | None = None, api_keys: ApiKeys | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None, api_keys: ApiKeys | None = None,
+                 limits: InputLimits | None = None) -> None:
         self.model = model
+        self.limits = limits or InputLimits()
+        self._tokenizing = asyncio.Semaphore(self.limits.max_concurrent_tokenize)    # bounds the RSS of a flood
         self._target = grpc_target
         self._channel_factory = channel_factory
         self._channel: grpc.aio.Channel | None = None
         self.metrics, self.tokenizer, self.ssl_context, self.api_keys = metrics, tokenizer, ssl_context, api_keys
-        self.app = web.Application(middlewares=[error_middleware(metrics), self._check_api_key],
-                                   client_max_size=MAX_BODY_BYTES)
+        self.app = web.Application(middlewares=[error_middleware(metrics, self.limits.max_body_bytes),
+                                                self._check_api_key], client_max_size=self.limits.max_body_bytes)
         self.app.add_routes([
             web.get("/v1/models", self.models), web.get("/v1/models/{model}", self.model_card),
             web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat_completions),
@@ -178,18 +192,29 @@ class OpenAIHttp:
         if "messages" in body:
             chat = parse_chat({"messages": body["messages"]}).request.messages
             messages = [{"role": m.role, "content": m.content} for m in chat]
+            self._capped(check_messages, [m["content"] for m in messages])
             if getattr(tokenizer, "chat_template", None) is None:
                 raise ApiError(400, "the model has no chat template; send a prompt", param="messages")
-            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tokenize=False,
-                                           add_generation_prompt=True)
+            async with self._tokenizing:
+                text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tokenize=False,
+                                               add_generation_prompt=True)
             add_special = bool(add_special)
         else:
             text = parse_completion({"prompt": body.get("prompt")}).request.prompt
+            self._capped(check_prompt, text)
             add_special = True if add_special is None else add_special
-        encoded = await asyncio.to_thread(tokenizer, text, add_special_tokens=add_special)
+        async with self._tokenizing:
+            encoded = await asyncio.to_thread(tokenizer, text, add_special_tokens=add_special)
         tokens = list(encoded["input_ids"])
         return web.json_response({"count": len(tokens), "max_model_len": self.model.max_model_len,
                                   "tokens": tokens, "token_strs": None})
+
+    def _capped(self, check: Callable[[Any, InputLimits], None], value: Any) -> None:
+        """A cap of specmesh.config.InputLimits as a 400 naming the field."""
+        try:
+            check(value, self.limits)
+        except EngineError as exc:
+            raise ApiError(400, str(exc), param=field_of(exc)) from None
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, chat=False)
@@ -207,7 +232,7 @@ class OpenAIHttp:
         try:
             reply = await self._stub().Complete(parsed.request, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
-            raise ApiError.from_grpc(exc.code(), exc.details() or "") from None
+            raise relayed_error(exc) from None
         return web.json_response(completion_object(
             chat, reply.request_id, self.model.name, int(time.time()), reply.text, finish_reason(reply.finish_reason),
             usage_dict(reply.usage)))
@@ -220,7 +245,7 @@ class OpenAIHttp:
         try:
             first = await anext(responses)           # errors before any output become a plain HTTP error
         except grpc.aio.AioRpcError as exc:
-            raise ApiError.from_grpc(exc.code(), exc.details() or "") from None
+            raise relayed_error(exc) from None
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         try:
@@ -309,8 +334,8 @@ def loopback_channel_factory(config: GatewayConfig) -> Callable[[str], grpc.aio.
 async def start_openai_http(model: ServedModel, host: str, port: int, grpc_target: Callable[[], str],
                             channel_factory: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
                             metrics: GatewayMetrics | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
-                            ssl_context: ssl.SSLContext | None = None, api_keys: ApiKeys | None = None
-                            ) -> OpenAIHttp:
-    http = OpenAIHttp(model, grpc_target, channel_factory, metrics, tokenizer, ssl_context, api_keys)
+                            ssl_context: ssl.SSLContext | None = None, api_keys: ApiKeys | None = None,
+                            limits: InputLimits | None = None) -> OpenAIHttp:
+    http = OpenAIHttp(model, grpc_target, channel_factory, metrics, tokenizer, ssl_context, api_keys, limits)
     await http.start(host, port)
     return http

@@ -17,6 +17,7 @@ import grpc
 from opentelemetry.context import Context
 
 from gateway.adaptive import DraftLengthController
+from gateway.cleanup import END_SESSION_RETRY_S, end_until_done
 from gateway.draft_tree import main_chain_len
 from gateway.drafters import NO_DRAFT, Draft, Drafter
 from gateway.request_state import RequestState, RoundEvent
@@ -40,15 +41,16 @@ class RoundOutput:
 
 
 async def _session_alive(call: Awaitable[verifier_pb2.VerifyResponse]) -> verifier_pb2.VerifyResponse:
-    """A Verify refused for its owner token means the verifier ended this session: it was idle past the lease (a
-    round slower than the lease). Say so, rather than pass on a PERMISSION_DENIED the client did nothing to earn."""
+    """A Verify refused for its owner token means the verifier ended this session: it was idle past the lease (the
+    keep-alive could not reach it). Say so, rather than pass on a PERMISSION_DENIED the client did nothing to earn;
+    the verifier's message names the internal session id, so it is not passed on."""
     try:
         return await call
     except grpc.aio.AioRpcError as exc:
         if exc.code() != grpc.StatusCode.PERMISSION_DENIED:
             raise
         raise grpc.aio.AioRpcError(grpc.StatusCode.ABORTED, exc.initial_metadata(), exc.trailing_metadata(),
-                                   f"session ended by the verifier (idle past its lease): {exc.details()}") from exc
+                                   "the verifier ended this request's session (idle past its lease)") from exc
 
 
 @dataclass
@@ -80,6 +82,8 @@ class Generation:
         self.trace_context = trace_context          # the request span: parent of the prefill / round spans
         self.session_id = session_id
         self.owner_token = ""                       # the verifier's token for this session (from StartSession)
+        self.verifier_lease_s = 0.0                 # its lease as the verifier reported it (0: not known)
+        self.tenant = ""                            # the request's tenant, told to the verifier (admission share)
         self.verifiers = list(verifiers)            # replicas in the order to try; the session stays on one
         self.verifier = self.verifiers[0]
         self.drafter = drafter
@@ -90,6 +94,7 @@ class Generation:
         self.overlap = overlap
         self._next_draft: _NextDraft | None = None
         self.timeout_s = verifier_timeout_s
+        self.cleanup_retry_s = END_SESSION_RETRY_S   # EndSession retried up to this long (gateway/cleanup.py)
         self.state = RequestState(params.prompt_ids, params.max_new_tokens)   # budget, output, round counters
         if draft_length is not None:
             self.state.listeners.append(functools.partial(_observe_round, draft_length))
@@ -176,7 +181,7 @@ class Generation:
         request = verifier_pb2.StartSessionRequest(
             session_id=self.session_id, prompt_token_ids=self.params.prompt_ids,
             sampling=sampling_to_proto(self.params.sampling), max_new_tokens=self.params.max_new_tokens,
-            speculative=self.params.num_draft_tokens > 0)
+            speculative=self.params.num_draft_tokens > 0, tenant=self.tenant)
         for i, stub in enumerate(self.verifiers):
             try:
                 start = await stub.StartSession(request, timeout=self.timeout_s)
@@ -186,6 +191,7 @@ class Generation:
                 log.warning("verifier replica %d unavailable (%s); trying the next", i, exc.details())
                 continue
             self.verifier, self.owner_token = stub, start.owner_token
+            self.verifier_lease_s = start.lease_s            # renewed while the stream is open (gateway/keepalive.py)
             return start
         raise AssertionError("unreachable: at least one verifier replica")
 
@@ -200,11 +206,13 @@ class Generation:
         with end_session_span(self.trace_context):
             calls = []
             if self.owner_token:
-                calls.append(self.verifier.EndSession(common_pb2.EndSessionRequest(
-                    session_id=self.session_id, owner_token=self.owner_token), timeout=5.0))
+                request = common_pb2.EndSessionRequest(session_id=self.session_id, owner_token=self.owner_token)
+                # Retried with backoff until done (gateway/cleanup.py): a hung verifier frees it once it resumes.
+                calls.append(end_until_done(lambda: self.verifier.EndSession(request, timeout=5.0), "verifier",
+                                            self.cleanup_retry_s))
             if self.drafter is not None:
                 calls.append(self.drafter.close())
             results = await asyncio.gather(*calls, return_exceptions=True)
         for r in results:
-            if isinstance(r, grpc.aio.AioRpcError):
-                log.warning("ending session %s: %s", self.session_id, r.details())
+            if isinstance(r, Exception):
+                log.warning("ending session %s: %r", self.session_id, r)

@@ -90,10 +90,12 @@ async def build_gateway_parts(config: GatewayConfig, wait_for_verifier_s: float 
     log.info("gateway for %s (context %d, draft %s)", info.model_name, info.max_model_len, config.draft_addr or "off")
     refusals = public_refusal_counter(metrics)
     server = ServiceServer([SERVICE_NAME], lambda s: add_generation_servicer(servicer, s), credentials,
-                           api_key_interceptors(keys, refusals), on_refused=refusals)
+                           api_key_interceptors(keys, refusals), on_refused=refusals,
+                           max_message_bytes=config.limits.max_body_bytes)
     metrics.registry.register(StatsCollector(server.stats))       # tier hits, draft-link bytes
     server.metrics = start_metrics(config.telemetry, config.host, metrics.registry)
-    watch = VerifierWatch(verifiers, addrs, server.set_ready)     # gRPC health (and HTTP /health) follow it
+    watch = VerifierWatch(verifiers, addrs, server.set_ready, config.health_probe_interval_s,
+                          config.health_probe_timeout_s, config.health_probe_failures)   # gRPC and HTTP health
     server.readiness = lambda: watch.serving
     watch.start()
     server.on_stop.append(watch.close)

@@ -15,7 +15,9 @@ from transformers import PreTrainedTokenizerBase
 
 from gateway.adaptive import DraftLengthController
 from gateway.drafters import ModelDrafter
+from gateway.keepalive import SessionKeepAlive
 from gateway.learned_priors import LearnedPriors, PriorKey
+from gateway.quotas import TenantQuotas, admit_or_abort, overload_metadata
 from gateway.request_state import RequestState, RoundEvent
 from gateway.request_telemetry import RequestTelemetry
 from gateway.round_loop import Generation, RoundOutput
@@ -24,12 +26,14 @@ from gateway.suffix_choice import ProposerChoice
 from gateway.suffix_drafter import SuffixDrafter
 from gateway.text_stream import TextStream
 from gateway.tiers import DraftTiers, tenant_from_metadata
+from gateway.upstream_errors import public_details
 from gateway.validation import GenerationParams, validate_request
 from protos.specmesh.v1 import common_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, verifier_pb2_grpc
 from specmesh.config import GatewayConfig
 from specmesh.engine.loop import EngineError
 from specmesh.grpc_server import status_code
 from specmesh.leases import new_session_id
+from specmesh.security import DEFAULT_TENANT
 from specmesh.telemetry.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -68,6 +72,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self._cleanups: set[asyncio.Task[None]] = set()
         self.outcomes = RoundOutcomes()             # how model-drafted rounds ended (gateway-wide counters)
         self.priors = LearnedPriors() if config.learned_priors else None   # what ended requests measured
+        self.quotas = TenantQuotas.from_config(config)  # per-tenant streams and queued tokens (keys file)
 
     async def Generate(self, request: generate_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
@@ -95,8 +100,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         except EngineError as exc:
             telemetry.fail(status_code(exc.code), str(exc))
             await context.abort(status_code(exc.code), str(exc))
+        tenant = tenant_from_metadata(context.invocation_metadata(), self.quotas.api_keys) or DEFAULT_TENANT
+        ticket = await admit_or_abort(self.quotas, self.metrics, tenant, params, context, telemetry)   # fair share
         telemetry.started(params)
         generation = self._new_generation(params, context, telemetry.context)
+        generation.tenant = tenant                       # the verifier keeps a share for tenants holding nothing
+        keepalive = SessionKeepAlive(generation, self.config.session_keepalive_s)   # a slow reader loses nothing
+        keepalive.start()
         learners = generation.draft_length, _choice_of(generation.drafter)
         prior_key = self._prior_key(params, context)
         if self.priors is not None:
@@ -106,9 +116,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 telemetry.on_response(response)
                 yield response
         except grpc.aio.AioRpcError as exc:
-            telemetry.fail(exc.code(), exc.details() or "")
-            await context.abort(exc.code(), f"verifier: {exc.details()}")
+            details = public_details("verifier", exc.details() or "", (generation.session_id,))
+            telemetry.fail(exc.code(), details)
+            await context.abort(exc.code(), details, overload_metadata(exc.code(), self.config.retry_after_s))
         finally:
+            keepalive.stop()
+            ticket.release()
             telemetry.end(sys.exc_info()[1])
             if self.priors is not None:
                 self.priors.finish(prior_key, *learners)
@@ -136,7 +149,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                    min(self.config.draft_timeout_s, verifier_timeout),
                                    tree_width=self.config.draft_tree_width, outcomes=self.outcomes,
                                    tree_pricing=draft_length.tree_width if draft_length else None,
-                                   branch_prefetch=self.config.overlap)
+                                   branch_prefetch=self.config.overlap,
+                                   cleanup_retry_s=self.config.end_session_retry_s)
         if self.tiers is not None and params.num_draft_tokens > 0:
             drafter = self.tiers.drafter(params, drafter, self.tiers.tenant(context.invocation_metadata()))
             if draft_length is not None:                # local drafts priced under load like the model's
@@ -145,6 +159,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         order = self.verifiers[first:] + self.verifiers[:first]
         generation = Generation(params, session_id, order, drafter, verifier_timeout, trace_context, draft_length,
                                 prefetch=self.config.draft_prefetch, overlap=self.config.overlap)
+        generation.cleanup_retry_s = self.config.end_session_retry_s
         generation.state.listeners.append(self._count_outcome)
         return generation
 

@@ -12,11 +12,11 @@ from gateway.safe_parse import UndecodableRequest
 from protos.specmesh.v1 import generate_pb2
 from specmesh.config import GatewayConfig
 from specmesh.engine.loop import EngineError
+from specmesh.limits import check_max_new_tokens, check_messages, check_prompt, check_request_id, check_stop
 from specmesh.proto_convert import sampling_from_proto
 from specmesh.sampling import SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant")
-MAX_REQUEST_ID_LEN = 128
 
 
 @dataclass(frozen=True)
@@ -39,20 +39,17 @@ def _prompt_text(request: generate_pb2.GenerateRequest, tokenizer: PreTrainedTok
     if request.prompt and request.messages:
         raise invalid("set either prompt or messages, not both")
     if request.messages:
+        check_messages([m.content for m in request.messages], config.limits)
         for i, msg in enumerate(request.messages):
             if msg.role not in CHAT_ROLES:
                 raise invalid(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {msg.role!r}")
-        total = sum(len(m.content) for m in request.messages)
-        if total > config.max_prompt_chars:
-            raise invalid(f"messages hold {total} characters; the limit is {config.max_prompt_chars}")
         if getattr(tokenizer, "chat_template", None) is None:
             raise invalid("messages: the model has no chat template; send a plain prompt")
         chat = [{"role": m.role, "content": m.content} for m in request.messages]
         return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    check_prompt(request.prompt, config.limits)
     if not request.prompt.strip():
         raise invalid("prompt must not be empty")
-    if len(request.prompt) > config.max_prompt_chars:
-        raise invalid(f"prompt has {len(request.prompt)} characters; the limit is {config.max_prompt_chars}")
     return request.prompt
 
 
@@ -77,13 +74,10 @@ def _check_logit_bias(sampling: SamplingParams, tokenizer: PreTrainedTokenizerBa
 
 
 def _stop_strings(request: generate_pb2.GenerateRequest, config: GatewayConfig) -> tuple[str, ...]:
-    if len(request.stop) > config.max_stop_strings:
-        raise invalid(f"stop has {len(request.stop)} strings; the limit is {config.max_stop_strings}")
+    check_stop(request.stop, config.limits)
     for i, s in enumerate(request.stop):
         if not s:
             raise invalid(f"stop[{i}] must not be empty")
-        if len(s) > config.max_stop_string_len:
-            raise invalid(f"stop[{i}] is longer than {config.max_stop_string_len} characters")
     return tuple(request.stop)
 
 
@@ -91,14 +85,12 @@ def validate_request(request: generate_pb2.GenerateRequest | UndecodableRequest,
                      config: GatewayConfig, max_model_len: int, default_request_id: str) -> GenerationParams:
     if isinstance(request, UndecodableRequest):
         raise invalid(f"request is not a valid specmesh.v1.GenerateRequest: {request.reason}")
-    if len(request.request_id) > MAX_REQUEST_ID_LEN:
-        raise invalid(f"request_id must be at most {MAX_REQUEST_ID_LEN} characters")
+    check_request_id(request.request_id, config.limits)
     _refuse_unknown_fields(request)
     sampling = sampling_from_proto(request.sampling)
     _check_logit_bias(sampling, tokenizer)
     max_new_tokens = request.max_new_tokens or config.default_max_new_tokens
-    if max_new_tokens > config.max_new_tokens_limit:
-        raise invalid(f"max_new_tokens must be <= {config.max_new_tokens_limit}, got {max_new_tokens}")
+    check_max_new_tokens(max_new_tokens, config.limits)
     num_draft = request.num_draft_tokens if request.HasField("num_draft_tokens") else config.num_draft_tokens
     if num_draft > config.max_draft_tokens:
         raise invalid(f"num_draft_tokens must be <= {config.max_draft_tokens}, got {num_draft}")

@@ -44,6 +44,24 @@ class TlsConfig:
 
 
 @dataclass(frozen=True)
+class InputLimits:
+    """Every cap on what a caller may send, in one table (README "Input limits"). Nested in each service's config,
+    so each reads SPECMESH_<SERVICE>_<FIELD> (e.g. SPECMESH_GATEWAY_MAX_PROMPT_CHARS). Over a cap: INVALID_ARGUMENT
+    (HTTP 400) naming the field and the cap; a body or gRPC message over max_body_bytes: HTTP 413 /
+    RESOURCE_EXHAUSTED. Checked by gateway/limits.py (public API) and the verifier / draft servicers."""
+    max_body_bytes: int = 2 * 2**20          # HTTP request body, and a public gRPC message of the gateway
+    max_prompt_chars: int = 200_000          # prompt (also /v1/tokenize), and all chat messages' content together
+    max_messages: int = 256                  # chat messages in one request (also /v1/tokenize)
+    max_stop_strings: int = 16               # stop strings per request
+    max_stop_string_len: int = 256           # characters of one stop string
+    max_new_tokens_limit: int = 4096         # max_new_tokens (max_tokens) of one request
+    max_request_id_len: int = 128            # characters of request_id
+    max_concurrent_tokenize: int = 4         # /v1/tokenize calls tokenizing at once (more wait): bounds the RSS
+    max_token_ids: int = 131_072             # token ids in one internal call (StartSession's prompt, Propose's
+                                             # new_token_ids, a Verify's draft_dists entries together)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = "tiny-target"         # HF directory, .gguf file, or a preset (see `specmesh models list`)
     dtype: str = AUTO_DTYPE            # auto (int4, else int8, else float32), int4, int8 or float32: all exact
@@ -74,6 +92,8 @@ class VerifierConfig:
                                        # draft service: its core stays free); 0 = as any step
     decode_ahead_guesses: bool = True  # steps that decode ahead fill their free rows with prompt-lookup guesses
     session_lease_s: float = 60.0      # no call for this long: the session is ended and its KV freed (> draft timeout)
+    tenant_reserve_sessions: int = 16  # the last this many session slots only go to tenants that hold none
+    limits: InputLimits = InputLimits()
     telemetry: TelemetryConfig = TelemetryConfig()
     tls: TlsConfig = TlsConfig()
 
@@ -89,6 +109,7 @@ class DraftConfig:
     guesses: bool = True               # greedy draft forwards carry prompt-lookup guesses (specmesh/guesses.py)
     head_vocab: int = 0                # > 0: draft only from the first N token ids (+ special tokens); 0 = all
     session_lease_s: float = 60.0      # no call for this long: the session is ended and its KV freed (> draft timeout)
+    limits: InputLimits = InputLimits()
     telemetry: TelemetryConfig = TelemetryConfig()
     tls: TlsConfig = TlsConfig()
 
@@ -99,7 +120,11 @@ class GatewayConfig:
     port: int = 50051
     http_port: int = 8000                  # OpenAI-compatible HTTP API (gateway/openai_http.py); 0 = off
     api_keys: str = ""                     # comma-separated KEY or KEY:TENANT for `authorization: Bearer`; "" = open
-    api_keys_file: str = ""                # file with one KEY or KEY:TENANT per line (e.g. a mounted secret)
+    api_keys_file: str = ""                # file with one KEY, KEY:TENANT or KEY:TENANT:LIMITS per line
+    tenant_max_streams: int = 0            # generations a tenant may have open at once (own limits win); 0 = any
+    tenant_max_queued_tokens: int = 0      # prompt + max_new_tokens of a tenant's open generations; 0 = any
+    tenant_tokens_per_s: int = 0           # prompt + max_new_tokens a tenant may start per second; 0 = any
+    retry_after_s: float = 1.0             # retry hint of an overload refusal (Retry-After, grpc-retry-pushback-ms)
     verifier_addr: str = "127.0.0.1:50061"  # comma-separated replicas: a session starts on the first that takes it
     draft_addr: str = "127.0.0.1:50062"   # "" = no draft service (target-only)
     tokenizer: str = ""                    # model reference for the tokenizer; "" = the verifier's model
@@ -109,12 +134,13 @@ class GatewayConfig:
     draft_prefetch: bool = True            # ask for the next block while the verifier works (hides the draft RTT)
     max_draft_tokens: int = 16             # largest per-request draft length accepted
     default_max_new_tokens: int = 256
-    max_new_tokens_limit: int = 4096
-    max_prompt_chars: int = 200_000
-    max_stop_strings: int = 16
-    max_stop_string_len: int = 256
     draft_timeout_s: float = 30.0          # a slower draft call falls back to target-only for a few rounds
     verifier_timeout_s: float = 120.0
+    end_session_retry_s: float = 600.0     # a failed EndSession is retried with backoff up to this long
+    session_keepalive_s: float = 0.0       # renew open streams' session leases this often; 0 = a third of the lease
+    health_probe_interval_s: float = 1.0   # verifier health probes: pause between rounds of probes
+    health_probe_timeout_s: float = 2.0    # a probe slower than this failed
+    health_probe_failures: int = 2         # failed probes in a row before a replica counts as down
     cache_dir: str = ""
     enable_cache: bool = True              # draft cache tier (kvstore): in-process unless redis_url is set
     redis_url: str = ""                    # e.g. redis://redis:6379/0; "" = in-process cache
@@ -132,6 +158,7 @@ class GatewayConfig:
                                            # cache + n-gram tiers; its shared store uses the cache settings above
     draft_tree_width: int = 0              # alternatives per low-confidence draft position (token trees); 0 = chains
     overlap: bool = False                  # overlapped speculation (draft ahead of verdicts); off until measured
+    limits: InputLimits = InputLimits()    # caps on every input (README "Input limits")
     telemetry: TelemetryConfig = TelemetryConfig()
     tls: TlsConfig = TlsConfig()
 

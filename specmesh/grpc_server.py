@@ -34,9 +34,11 @@ class ServiceServer:
     def __init__(self, service_names: Sequence[str], add_servicers: Callable[[grpc.aio.Server], None],
                  credentials: grpc.ServerCredentials | None = None,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                 on_refused: RefusalHook | None = None) -> None:
+                 on_refused: RefusalHook | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
         # RpcGuard innermost: it sees the servicer's own exceptions; the others see the status it sets.
-        self.server = grpc.aio.server(options=SERVER_OPTIONS,
+        options = [(name, max_message_bytes if name == "grpc.max_receive_message_length" else value)
+                   for name, value in SERVER_OPTIONS]
+        self.server = grpc.aio.server(options=options,
                                       interceptors=[*server_interceptors(), *interceptors, RpcGuard(on_refused)])
         self.credentials = credentials              # TLS (specmesh.security.server_credentials); None = plaintext
         add_servicers(self.server)

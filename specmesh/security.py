@@ -77,16 +77,34 @@ def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials | None:
         certificate_chain=_read(tls.tls_client_cert, "tls_client_cert") if tls.tls_client_cert else None)
 
 
+def api_key_entries(config: GatewayConfig) -> list[str]:
+    """The configured entries: `api_keys` (comma-separated), then the lines of `api_keys_file`."""
+    entries = config.api_keys.split(",")
+    if config.api_keys_file:
+        entries += _read(config.api_keys_file, "api_keys_file").decode().splitlines()
+    return entries
+
+
+def split_entry(entry: str) -> tuple[str, str, str] | None:
+    """`KEY[:TENANT[:LIMITS]]` -> (key, tenant, limits), stripped; None for a blank or `#` line."""
+    entry = entry.strip()
+    if not entry or entry.startswith("#"):
+        return None
+    parts = [part.strip() for part in entry.split(":", 2)]
+    return parts[0], parts[1] if len(parts) > 1 else "", parts[2] if len(parts) > 2 else ""
+
+
 def parse_api_keys(entries: Iterable[str]) -> dict[str, str]:
-    """`KEY` or `KEY:TENANT` entries (blank and `#` lines skipped) -> {key: tenant or ""}. Keys cannot hold ':'."""
+    """`KEY`, `KEY:TENANT` or `KEY:TENANT:LIMITS` entries (blank and `#` lines skipped) -> {key: tenant or ""}.
+    Keys cannot hold ':'. The limits (gateway/quotas.py) are the tenant's, parsed there."""
     keys: dict[str, str] = {}
     for number, entry in enumerate(entries, 1):
-        entry = entry.strip()
-        if not entry or entry.startswith("#"):
+        parts = split_entry(entry)
+        if parts is None:
             continue
-        key, sep, tenant = (part.strip() for part in entry.partition(":"))
-        if not key or (sep and not tenant):
-            raise ValueError(f"API key entry {number}: expected KEY or KEY:TENANT")
+        key, tenant, _ = parts
+        if not key or (":" in entry and not tenant):
+            raise ValueError(f"API key entry {number}: expected KEY, KEY:TENANT or KEY:TENANT:LIMITS")
         if keys.get(key, tenant) != tenant:
             raise ValueError(f"API key entry {number}: the key is already bound to another tenant")
         keys[key] = tenant
@@ -94,10 +112,7 @@ def parse_api_keys(entries: Iterable[str]) -> dict[str, str]:
 
 
 def load_api_keys(config: GatewayConfig) -> dict[str, str]:
-    entries = config.api_keys.split(",")
-    if config.api_keys_file:
-        entries += _read(config.api_keys_file, "api_keys_file").decode().splitlines()
-    return parse_api_keys(entries)
+    return parse_api_keys(api_key_entries(config))
 
 
 def unbound_key_tenant(key: str) -> str:

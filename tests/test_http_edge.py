@@ -37,7 +37,7 @@ CASES = [
     ("max-tokens-huge", "POST", "/v1/completions", body(OK, max_tokens=10**12), None, 400, "max_tokens", "max_tokens"),
     ("max-tokens-zero", "POST", "/v1/completions", body(OK, max_tokens=0), None, 400, "max_tokens", "max_tokens"),
     ("max-tokens-over-limit", "POST", "/v1/completions", body(OK, max_tokens=100_000), None, 400, "max_tokens",
-     "max_tokens must be <= 4096"),
+     "max_tokens is 100000; the limit is 4096"),
     ("chat-max-tokens-zero", "POST", "/v1/chat/completions", body(CHAT, max_tokens=0), None, 400, "max_tokens",
      "max_tokens"),
     ("max-tokens-float", "POST", "/v1/completions", body(OK, max_tokens=1e12), None, 400, "max_tokens", "int"),

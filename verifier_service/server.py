@@ -13,6 +13,7 @@ from specmesh.security import peer_interceptors, server_credentials
 from specmesh.telemetry.metrics import SessionMetrics, start_metrics
 from verifier_service.engine import VerifierEngine
 from verifier_service.servicer import VerifierServicer
+from verifier_service.tenant_share import TenantShare
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
@@ -30,7 +31,8 @@ def build_verifier(config: VerifierConfig) -> tuple[ServiceServer, VerifierEngin
     engine.ahead.guesses = config.decode_ahead_guesses
     leases = SessionLeases(config.session_lease_s)
     servicer = VerifierServicer(engine, parts.loaded.name, parts.loaded.model.config.vocab_size,
-                                parts.loaded.eos_token_ids, leases, config.max_draft_tokens)
+                                parts.loaded.eos_token_ids, leases, config.max_draft_tokens,
+                                config.limits, TenantShare(engine.max_num_sessions, config.tenant_reserve_sessions))
     server = ServiceServer([SERVICE_NAME],
                            lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), credentials,
                            peer_interceptors(config.tls))

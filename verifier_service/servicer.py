@@ -13,23 +13,29 @@ from collections.abc import Sequence
 import grpc
 
 from protos.specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from specmesh.config import InputLimits
 from specmesh.engine.loop import EngineError
 from specmesh.grpc_server import deadline_of
 from specmesh.leases import SessionLeases, check_session_id
+from specmesh.limits import check_token_ids
 from specmesh.proto_convert import sampling_from_proto, sparse_dists_from_proto
 from specmesh.tree import check_parents
 from verifier_service.engine import VerifierEngine, VerifyResult
+from verifier_service.tenant_share import TenantShare
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, engine: VerifierEngine, model_name: str, vocab_size: int,
-                 eos_token_ids: tuple[int, ...], leases: SessionLeases, max_draft_tokens: int = 64) -> None:
+                 eos_token_ids: tuple[int, ...], leases: SessionLeases, max_draft_tokens: int = 64,
+                 limits: InputLimits | None = None, share: TenantShare | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.leases = leases
         self.max_draft_tokens = max_draft_tokens
+        self.limits = limits or InputLimits()
+        self.share = share or TenantShare(getattr(engine, "max_num_sessions", 1 << 30), 0)   # per-tenant admission
 
     def _check_ids(self, ids: list[int], field: str) -> None:
         bad = [t for t in ids if t >= self.vocab_size]
@@ -39,10 +45,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def StartSession(self, request: verifier_pb2.StartSessionRequest,
                            context: grpc.aio.ServicerContext) -> verifier_pb2.StartSessionResponse:
         session_id = check_session_id(request.session_id)
+        check_token_ids(len(request.prompt_token_ids), self.limits, "prompt_token_ids", "VERIFIER")
         prompt_ids = list(request.prompt_token_ids)
         self._check_ids(prompt_ids, "prompt_token_ids")
         params = sampling_from_proto(request.sampling)
         self._check_ids([t for t, _ in params.logit_bias], "sampling.logit_bias")
+        if session_id not in self.leases:                 # (an open id is refused ALREADY_EXISTS just below)
+            self.share.admit(session_id, request.tenant, self.leases)
         token = self.leases.open(session_id)
         try:
             with self.leases.call(session_id, token):
@@ -52,10 +61,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         except BaseException:
             # Failed or cancelled (the caller went away): nobody holds the token, so nothing may stay open.
             self.leases.close(session_id)
+            self.share.release(session_id)
             self.engine.end_session(session_id)
             raise
         return verifier_pb2.StartSessionResponse(first_token_id=result.token_ids[0], owner_token=token,
-                                                 num_cached_prompt_tokens=result.num_cached_prompt_tokens)
+                                                 num_cached_prompt_tokens=result.num_cached_prompt_tokens,
+                                                 lease_s=self.leases.lease_s)
 
     async def Verify(self, request: verifier_pb2.VerifyRequest,
                      context: grpc.aio.ServicerContext) -> verifier_pb2.VerifyResponse:
@@ -63,6 +74,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if len(request.draft_token_ids) > self.max_draft_tokens:
             raise EngineError("INVALID_ARGUMENT", f"draft_token_ids has {len(request.draft_token_ids)} tokens; "
                               f"the limit is max_draft_tokens = {self.max_draft_tokens}")
+        check_token_ids(sum(len(d.token_ids) for d in request.draft_dists), self.limits, "draft_dists",
+                        "VERIFIER")
         with self.leases.call(session_id, request.owner_token):
             draft_ids = list(request.draft_token_ids)
             self._check_ids(draft_ids, "draft_token_ids")
@@ -85,6 +98,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.leases.close(session_id)
         self.engine.end_session(session_id)
         return common_pb2.EndSessionResponse()
+
+    async def KeepAlive(self, request: common_pb2.KeepAliveRequest,
+                        context: grpc.aio.ServicerContext) -> common_pb2.KeepAliveResponse:
+        """Renews the lease (a call that ends now) and does nothing else."""
+        with self.leases.call(check_session_id(request.session_id), request.owner_token):
+            pass
+        return common_pb2.KeepAliveResponse(lease_s=self.leases.lease_s)
 
     async def GetModelInfo(self, request: verifier_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> verifier_pb2.ModelInfo:

@@ -62,6 +62,9 @@ class GatewayMetrics:
                                       buckets=DRAFT_LENGTH_BUCKETS, registry=r)
         self.acceptance = Histogram("specmesh_request_acceptance_ratio", "Accepted / drafted tokens per request",
                                     buckets=RATIO_BUCKETS, registry=r)
+        self.tenant_refusals = Counter("specmesh_tenant_refusals", "Requests refused by their tenant's quota "
+                                       "(gateway/quotas.py), by tenant and limit", ["tenant", "limit"], registry=r)
+        self.tenant_streams = Gauge("specmesh_tenant_streams", "Generations open per tenant", ["tenant"], registry=r)
 
     def observe_round(self, num_drafted: int, num_accepted: int, source: str) -> None:
         self.draft_length.observe(num_drafted)
