@@ -1,6 +1,7 @@
-"""One generation: prefill on the verifier, then draft -> verify rounds until a stop condition.
+"""One generation: prefill on the verifier, then draft -> verify rounds until the request's state says it finished.
 
-Only verified tokens leave this loop. Text is produced by the caller from the yielded tokens.
+Only verified tokens leave this loop, cut at eos / max tokens by the `RequestState`. Text is produced by the caller
+from the yielded tokens; a stop string it finds ends the state (`RequestState.stop_string`) and so the loop.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RoundOutput:
     round: int                 # 0 = the prefill's first token
-    token_ids: list[int]       # newly verified tokens (not yet cut at eos / max tokens)
+    token_ids: list[int]       # newly verified tokens the client receives (cut at eos / max tokens)
     num_drafted: int
     num_accepted: int
     draft_source: int
@@ -76,7 +77,7 @@ class Generation:
                  verifiers: Sequence[verifier_pb2_grpc.VerifierStub],
                  drafter: Drafter | None, verifier_timeout_s: float, trace_context: Context | None = None,
                  draft_length: DraftLengthController | None = None, prefetch: bool = False,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.params = params
         self.trace_context = trace_context          # the request span: parent of the prefill / round spans
         self.session_id = session_id
@@ -91,12 +92,13 @@ class Generation:
         self.overlap = overlap
         self._next_draft: _NextDraft | None = None
         self.timeout_s = verifier_timeout_s
-        self.state = RequestState(params.prompt_ids, params.max_new_tokens)   # budget, output, round counters
+        # budget, output, finish reason, round counters
+        self.state = RequestState(params.prompt_ids, params.max_new_tokens, eos_token_ids, params.ignore_eos)
         if draft_length is not None:
             self.state.listeners.append(functools.partial(_observe_round, draft_length))
         if drafter is not None:
             self.state.listeners.append(lambda event, state: drafter.observe(event.draft, event.num_accepted,
-                                                                              state.output_ids, event.cost))
+                                                                              state, event.cost))
 
     @property
     def output_ids(self) -> list[int]:
@@ -110,14 +112,14 @@ class Generation:
                 self.drafter.prefill(self.params.prompt_ids, self.params.num_draft_tokens) if self.drafter
                 else asyncio.sleep(0))
             span.set_attribute("specmesh.prefill.cached_tokens", start.num_cached_prompt_tokens)
-        self.state.on_first_token(start.first_token_id)
+        first = self.state.on_first_token(start.first_token_id)
         self._start_next_draft()
-        yield RoundOutput(0, [start.first_token_id], 0, 0, common_pb2.DRAFT_SOURCE_NONE)
-        while True:
+        yield RoundOutput(0, first, 0, 0, common_pb2.DRAFT_SOURCE_NONE)
+        while not self.state.finished:
             event = await self._round(self.state.num_rounds + 1)
-            self.state.on_round(event)
+            tokens = self.state.on_round(event)
             self._start_next_draft()
-            yield RoundOutput(event.round, event.token_ids, len(event.draft.token_ids), event.num_accepted,
+            yield RoundOutput(event.round, tokens, len(event.draft.token_ids), event.num_accepted,
                               event.draft.source)
 
     async def _round(self, round_index: int) -> RoundEvent:
@@ -152,14 +154,15 @@ class Generation:
         wanted = self._wanted_k()
         if self.drafter is None:
             return wanted, NO_DRAFT
-        return wanted, await self.drafter.propose(context, min(wanted, self.state.draft_room()))
+        room = self.state.draft_room()
+        return wanted, await self.drafter.propose(context, min(wanted, room), room)
 
     def _start_next_draft(self) -> None:
-        if not self.overlap or self.drafter is None or self.state.remaining <= 0:
+        if not self.overlap or self.drafter is None or self.state.remaining <= 0 or self.state.finished:
             return
         wanted = self._wanted_k()
-        task = asyncio.ensure_future(self.drafter.propose(self.state.context_ids,
-                                                          min(wanted, self.state.draft_room())))
+        room = self.state.draft_room()
+        task = asyncio.ensure_future(self.drafter.propose(self.state.context_ids, min(wanted, room), room))
         self._next_draft = _NextDraft(len(self.state.context_ids), wanted, task)
 
     def _verify_request(self, draft: Draft) -> verifier_pb2.VerifyRequest:

@@ -42,17 +42,6 @@ class ModelInfo:
     eos_token_ids: frozenset[int]
 
 
-@dataclass
-class _Progress:
-    """What a request has produced so far (plain ints), for stop handling and usage."""
-
-    num_tokens: int = 0
-    num_rounds: int = 0
-    num_drafted: int = 0
-    num_accepted: int = 0
-    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
-
-
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def __init__(self, config: GatewayConfig, tokenizer: PreTrainedTokenizerBase, model: ModelInfo,
                  verifiers: Sequence[verifier_pb2_grpc.VerifierStub], draft: draft_pb2_grpc.DraftStub | None,
@@ -138,11 +127,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                    tree_pricing=draft_length.tree_width if draft_length else None,
                                    branch_prefetch=self.config.overlap)
         if self.tiers is not None and params.num_draft_tokens > 0:
-            drafter = self.tiers.drafter(params, drafter, self.tiers.tenant(context.invocation_metadata()))
+            drafter = self.tiers.drafter(drafter, self.tiers.tenant(context.invocation_metadata()))
         first = next(self._next_replica) % len(self.verifiers)
         order = self.verifiers[first:] + self.verifiers[:first]
         generation = Generation(params, session_id, order, drafter, verifier_timeout, trace_context, draft_length,
-                                prefetch=self.config.draft_prefetch, overlap=self.config.overlap)
+                                prefetch=self.config.draft_prefetch, overlap=self.config.overlap,
+                                eos_token_ids=self.model.eos_token_ids)
         generation.state.listeners.append(self._count_outcome)
         return generation
 
@@ -152,46 +142,27 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     async def _stream(self, params: GenerationParams,
                       generation: Generation) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """The rounds' tokens as text; the generation's state cuts them at eos / max tokens, a stop string ends it."""
         text = TextStream(self.tokenizer, params.stop, params.prompt_ids)
-        progress = _Progress()
+        state = generation.state
         async for out in generation.rounds():
-            tokens = self._accept_tokens(params, out, progress)
+            tokens = out.token_ids
             delta, stopped = text.push(tokens)
             if stopped:
-                tokens = tokens[: max(0, text.num_tokens_consumed - (progress.num_tokens - len(tokens)))]
-                progress.num_tokens = text.num_tokens_consumed
-                progress.finish_reason = common_pb2.FINISH_REASON_STOP_STRING
-            elif progress.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                tokens = state.stop_string(text.num_tokens_consumed, tokens)
+            elif state.finished:
                 delta += text.finish()
                 if text.stopped:                     # the stop string only completed in the held-back text
-                    progress.finish_reason = common_pb2.FINISH_REASON_STOP_STRING
+                    state.stop_string_held()
             response = generate_pb2.GenerateResponse(request_id=params.request_id, text=delta, token_ids=tokens,
                                                      round=self._round_stats(out))
-            if progress.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                response.finish_reason = progress.finish_reason
-                response.usage.CopyFrom(self._usage(params, progress))
+            if state.finished:
+                response.finish_reason = state.finish_reason
+                response.usage.CopyFrom(self._usage(state))
                 yield response
                 return
             if delta or tokens:
                 yield response
-
-    def _accept_tokens(self, params: GenerationParams, out: RoundOutput, progress: _Progress) -> list[int]:
-        """Cut a round's verified tokens at eos / max_new_tokens and record progress."""
-        if out.round > 0:
-            progress.num_rounds += 1
-            progress.num_drafted += out.num_drafted
-            progress.num_accepted += out.num_accepted
-        tokens: list[int] = []
-        for token in out.token_ids:
-            if not params.ignore_eos and token in self.model.eos_token_ids:
-                progress.finish_reason = common_pb2.FINISH_REASON_STOP
-                break
-            tokens.append(token)
-            if progress.num_tokens + len(tokens) >= params.max_new_tokens:
-                progress.finish_reason = common_pb2.FINISH_REASON_LENGTH
-                break
-        progress.num_tokens += len(tokens)
-        return tokens
 
     @staticmethod
     def _round_stats(out: RoundOutput) -> generate_pb2.RoundStats:
@@ -199,12 +170,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                        draft_source=out.draft_source)
 
     @staticmethod
-    def _usage(params: GenerationParams, progress: _Progress) -> generate_pb2.Usage:
-        rate = progress.num_accepted / progress.num_drafted if progress.num_drafted else 0.0
-        per_round = (progress.num_accepted + progress.num_rounds) / progress.num_rounds if progress.num_rounds else 0.0
-        return generate_pb2.Usage(prompt_tokens=len(params.prompt_ids), completion_tokens=progress.num_tokens,
-                                  num_rounds=progress.num_rounds, num_drafted_tokens=progress.num_drafted,
-                                  num_accepted_tokens=progress.num_accepted, acceptance_rate=rate,
+    def _usage(state: RequestState) -> generate_pb2.Usage:
+        rate = state.num_accepted / state.num_drafted if state.num_drafted else 0.0
+        per_round = (state.num_accepted + state.num_rounds) / state.num_rounds if state.num_rounds else 0.0
+        return generate_pb2.Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=state.num_emitted,
+                                  num_rounds=state.num_rounds, num_drafted_tokens=state.num_drafted,
+                                  num_accepted_tokens=state.num_accepted, acceptance_rate=rate,
                                   mean_tokens_per_round=per_round)
 
 
