@@ -120,6 +120,9 @@ class ModelDrafter:
     branch_prefetch: bool = False
     num_branch_hits: int = 0
     _branch: ModelDrafter | None = field(default=None, repr=False)
+    # Draft service replicas: given the replica that failed UNAVAILABLE, the one to use from now on (the session is
+    # opened there by the whole-context resend that follows the backoff). None: one replica.
+    reroute: Callable[[draft_pb2_grpc.DraftStub], draft_pb2_grpc.DraftStub] | None = field(default=None, repr=False)
     num_prefetch_hits: int = 0               # rounds drafted from a prefetch (no draft-link round trip waited for)
     bytes_sent: int = 0                      # serialized Propose requests / responses (the draft link's traffic)
     bytes_received: int = 0
@@ -198,6 +201,8 @@ class ModelDrafter:
                 if verdict is OnError.FAILURE:
                     log.warning("draft service failed (%s: %s); target-only for %d rounds", exc.code().name,
                                 exc.details(), BACKOFF_ROUNDS)
+                    if exc.code() == grpc.StatusCode.UNAVAILABLE and self.reroute is not None:
+                        self.stub = self.reroute(self.stub)
                 return NO_DRAFT
             return _to_draft(response, 0, num_tokens)
         return NO_DRAFT

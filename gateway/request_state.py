@@ -9,7 +9,7 @@ found ends the request here too (`stop_string`). Plain ints and lists: no I/O, n
 
 Because it holds everything a session needs (the prompt, every verified token, the budget left), a session can be
 opened again elsewhere from it: the verifier replica that dies mid-stream is replaced by one prefilled with
-`context_ids` (gateway/failover.py).
+`context_ids` (gateway/verifier_session.py).
 """
 
 from __future__ import annotations
@@ -78,6 +78,11 @@ class RequestState:
         """The prefill's token (or, after a failover, the new replica's first token): what the client receives."""
         self.output_ids.append(token_id)
         return self._cut([token_id])
+
+    def on_failover(self, token_id: int) -> list[int]:
+        """The first token of the session opened again on another replica (after every verified token)."""
+        self.num_failovers += 1
+        return self.on_first_token(token_id)
 
     def on_round(self, event: RoundEvent) -> list[int]:
         """Applies a verified round; returns its tokens the client receives (cut at eos / max_new_tokens)."""

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -14,8 +13,10 @@ from opentelemetry.context import Context
 from transformers import PreTrainedTokenizerBase
 
 from gateway.adaptive import DraftLengthController
+from gateway.draft_pool import DraftPool
 from gateway.drafters import ModelDrafter
 from gateway.learned_priors import LearnedPriors, PriorKey
+from gateway.replicas import VerifierPool
 from gateway.request_state import RequestState, RoundEvent
 from gateway.request_telemetry import RequestTelemetry
 from gateway.round_loop import Generation, RoundOutput
@@ -25,7 +26,7 @@ from gateway.suffix_drafter import SuffixDrafter
 from gateway.text_stream import TextStream
 from gateway.tiers import DraftTiers, tenant_from_metadata
 from gateway.validation import GenerationParams, validate_request
-from protos.specmesh.v1 import common_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, verifier_pb2_grpc
+from protos.specmesh.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from specmesh.config import GatewayConfig
 from specmesh.engine.loop import EngineError
 from specmesh.grpc_server import status_code
@@ -44,15 +45,14 @@ class ModelInfo:
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def __init__(self, config: GatewayConfig, tokenizer: PreTrainedTokenizerBase, model: ModelInfo,
-                 verifiers: Sequence[verifier_pb2_grpc.VerifierStub], draft: draft_pb2_grpc.DraftStub | None,
+                 verifiers: VerifierPool, draft: DraftPool | None,
                  tiers: DraftTiers | None = None, metrics: GatewayMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or GatewayMetrics()
         self.tiers = tiers                          # cache / n-gram tiers in front of the draft service
         self.tokenizer = tokenizer
         self.model = model
-        self.verifiers = list(verifiers)           # replicas; sessions are spread round-robin
-        self._next_replica = itertools.count()
+        self.verifiers = verifiers                  # replicas; placement picks one per session (gateway/placement.py)
         self.draft = draft
         self._cleanups: set[asyncio.Task[None]] = set()
         self.outcomes = RoundOutcomes()             # how model-drafted rounds ended (gateway-wide counters)
@@ -120,21 +120,24 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if self.config.adaptive_draft_length and params.num_draft_tokens > 0:
             draft_length = DraftLengthController(max_k=params.num_draft_tokens, initial_k=params.num_draft_tokens)
         drafter = None
-        if self.draft is not None and params.num_draft_tokens > 0:
-            drafter = ModelDrafter(self.draft, session_id, params.sampling,
+        draft_stub = self.draft.pick() if self.draft is not None and params.num_draft_tokens > 0 else None
+        if self.draft is not None and draft_stub is not None:
+            drafter = ModelDrafter(draft_stub, session_id, params.sampling,
                                    min(self.config.draft_timeout_s, verifier_timeout),
                                    tree_width=self.config.draft_tree_width, outcomes=self.outcomes,
                                    tree_pricing=draft_length.tree_width if draft_length else None,
-                                   branch_prefetch=self.config.overlap)
+                                   branch_prefetch=self.config.overlap, reroute=self.draft.reroute)
         if self.tiers is not None and params.num_draft_tokens > 0:
             drafter = self.tiers.drafter(drafter, self.tiers.tenant(context.invocation_metadata()))
-        first = next(self._next_replica) % len(self.verifiers)
-        order = self.verifiers[first:] + self.verifiers[:first]
-        generation = Generation(params, session_id, order, drafter, verifier_timeout, trace_context, draft_length,
-                                prefetch=self.config.draft_prefetch, overlap=self.config.overlap,
-                                eos_token_ids=self.model.eos_token_ids)
+        generation = Generation(params, session_id, self.verifiers, drafter, verifier_timeout, trace_context,
+                                draft_length, prefetch=self.config.draft_prefetch, overlap=self.config.overlap,
+                                eos_token_ids=self.model.eos_token_ids, max_failovers=self.config.max_failovers,
+                                on_move=self._count_failover)
         generation.state.listeners.append(self._count_outcome)
         return generation
+
+    def _count_failover(self, reason: str, old: str, new: str | None, num_emitted: int) -> None:
+        self.metrics.failovers.labels(reason, "moved" if new is not None else "failed").inc()
 
     def _count_outcome(self, event: RoundEvent, state: RequestState) -> None:
         if event.draft.source == common_pb2.DRAFT_SOURCE_MODEL:

@@ -13,7 +13,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.health import VerifierWatch
 from gateway.openai_http import ServedModel, start_openai_http
+from gateway.replicas import VerifierPool
 from gateway.server import SERVICE_NAME
+from protos.specmesh.v1 import verifier_pb2
 from specmesh.config import EngineConfig, VerifierConfig
 from tests.stack import Running, start_gateway, start_verifier
 from verifier_service.server import build_verifier
@@ -76,7 +78,7 @@ class FakeVerifier:
         if not self.up:
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                        "connection refused")
-        return object()
+        return verifier_pb2.ModelInfo()
 
 
 @pytest.mark.parametrize("failures_to_down", [1, 2])
@@ -87,7 +89,8 @@ async def test_watch_needs_every_replica_down_and_consecutive_failures(failures_
         changes.append(serving)
 
     replicas = [FakeVerifier(), FakeVerifier()]
-    watch = VerifierWatch(replicas, ["a", "b"], record, failures_to_down=failures_to_down)
+    pool = VerifierPool.of_stubs(replicas)  # type: ignore[arg-type]
+    watch = VerifierWatch(pool, record, failures_to_down=failures_to_down)
     replicas[0].up = False
     for _ in range(3):
         assert await watch.probe_once() is True              # one replica still answers

@@ -56,6 +56,10 @@ class GatewayMetrics:
                                       buckets=DRAFT_LENGTH_BUCKETS, registry=r)
         self.acceptance = Histogram("specmesh_request_acceptance_ratio", "Accepted / drafted tokens per request",
                                     buckets=RATIO_BUCKETS, registry=r)
+        self.failovers = Counter("specmesh_gateway_failovers",
+                                 "Streams whose verifier session moved to another replica mid-stream, by reason "
+                                 "(unavailable, lost: health or discovery, draining) and outcome (moved, failed)",
+                                 ["reason", "outcome"], registry=r)
 
     def observe_round(self, num_drafted: int, num_accepted: int, source: str) -> None:
         self.draft_length.observe(num_drafted)
