@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from gateway.placement import OVERLOAD_SLACK, ReplicaView, place, prefix_key, rendezvous_rank
+from gateway.server import build_gateway_parts
+from specmesh import client
+from specmesh.config import GatewayConfig
+from tests.stack import start_verifier
 
 NAMES = ["10.0.0.1:50061", "10.0.0.2:50061", "10.0.0.3:50061"]
 SYSTEM = list(range(100, 116))                      # one full 16-token block shared by every request
@@ -46,3 +50,47 @@ def test_full_kv_and_unusable_replicas() -> None:
     down = [ReplicaView(n, usable=n != home) for n in NAMES]
     assert home not in place([*SYSTEM, 0], down) and len(place([*SYSTEM, 0], down)) == 2
     assert place([1], [ReplicaView("a", usable=False)]) == []
+
+
+class CountingStub:
+    """A verifier stub that counts the sessions started through it."""
+
+    def __init__(self, stub: object) -> None:
+        self.stub, self.started = stub, 0
+
+    def StartSession(self, *args: object, **kwargs: object):  # noqa: N802, ANN201 (gRPC method name)
+        self.started += 1
+        return self.stub.StartSession(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.stub, name)
+
+
+async def complete(port: int, prompt: str) -> None:
+    async for _ in client.stream(f"127.0.0.1:{port}", client.make_request(prompt, max_new_tokens=2), timeout_s=60):
+        pass
+
+
+async def test_requests_sharing_a_system_prompt_meet_on_one_replica() -> None:
+    replicas = [await start_verifier(), await start_verifier()]
+    config = GatewayConfig(port=0, verifier_addr=",".join(r.addr for r in replicas), draft_addr="",
+                           enable_cache=False, enable_ngram=False, adaptive_draft_length=False)
+    gateway = await build_gateway_parts(config, wait_for_verifier_s=30)
+    port = await gateway.server.start("127.0.0.1", 0)
+    stubs = {addr: CountingStub(r.stub) for addr, r in gateway.verifiers.replicas.items()}
+    for addr, stub in stubs.items():
+        gateway.verifiers.replicas[addr].stub = stub          # type: ignore[assignment]
+    system = "You are a careful assistant. Answer in one short sentence, and never invent facts. "
+    try:
+        for question in ("Why is the sky blue?", "What is a prime?", "Name a river.", "Who wrote Hamlet?",
+                         "What is rain?", "Define entropy."):
+            await complete(port, system + question)
+        counts = sorted(s.started for s in stubs.values())
+        assert counts == [0, 6]                               # round-robin: [3, 3]
+        for question in ("a", "b", "c", "d"):                 # no full block in common: spread by load
+            await complete(port, question)
+        assert sorted(s.started for s in stubs.values()) == [2, 8]
+    finally:
+        await gateway.server.stop(0)
+        for r in replicas:
+            await r.stop()
