@@ -11,12 +11,13 @@ import grpc
 import pytest
 from transformers import AutoTokenizer
 
+from gateway.draft_link import BACKOFF_ROUNDS
 from gateway.server import Gateway, build_gateway_parts
-from protos.specmesh.v1 import verifier_pb2, verifier_pb2_grpc
+from protos.specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specmesh import client
 from specmesh.config import GatewayConfig
 from specmesh.models import resolve_model_dir
-from tests.stack import reference_greedy
+from tests.stack import reference_greedy, start_draft, start_gateway, start_verifier
 from tests.test_faults import PROMPT, free_port, spawn
 
 NUM_STREAMS, NUM_TOKENS = 6, 300
@@ -141,3 +142,28 @@ async def test_no_replica_left_ends_the_stream_unavailable() -> None:
             proc.kill()
         await gateway.server.stop(0)
 
+
+
+async def test_the_draft_session_follows_to_another_draft_replica(expected) -> None:
+    """The stream's draft replica stops: a few target-only rounds (as with one replica), then its drafts come from
+    the other replica (the whole-context resend opens the session there). Output unchanged."""
+    verifier = await start_verifier(decode_ahead_tokens=8)
+    drafts = [await start_draft(), await start_draft()]
+    gateway = await start_gateway(verifier.addr, ",".join(d.addr for d in drafts), draft_timeout_s=2.0)
+    try:
+        responses = []
+        request = client.make_request(PROMPT, max_new_tokens=NUM_TOKENS, ignore_eos=True, num_draft_tokens=3)
+        async for r in client.stream(gateway.addr, request, timeout_s=120):
+            responses.append(r)
+            if len(responses) == 2:
+                used = [d for d in drafts if d.engine.sessions]
+                assert len(used) == 1                      # one draft replica holds the request's session
+                await used[0].stop()
+        assert [t for r in responses for t in r.token_ids] == expected
+        late = responses[2 + BACKOFF_ROUNDS + 2:]                 # after the backoff: only the other replica is up
+        assert any(r.round.num_drafted and r.round.draft_source == common_pb2.DRAFT_SOURCE_MODEL for r in late)
+    finally:
+        await gateway.stop()
+        await verifier.stop()
+        for d in drafts:
+            await d.stop()
