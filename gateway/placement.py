@@ -59,18 +59,30 @@ def overloaded(replica: ReplicaView, least_load: int) -> bool:
     return replica.kv_full or replica.load > least_load + OVERLOAD_SLACK
 
 
+POLICIES = ("prefix", "least_loaded", "round_robin")
+
+
+def check_policy(policy: str) -> str:
+    if policy not in POLICIES:
+        raise ValueError(f"placement must be one of {', '.join(POLICIES)}; got {policy!r}")
+    return policy
+
+
 def place(prompt_ids: Sequence[int], replicas: Sequence[ReplicaView], block_size: int = DEFAULT_BLOCK_SIZE,
-          tie_break: int = 0) -> list[str]:
+          tie_break: int = 0, policy: str = "prefix") -> list[str]:
     """Usable replicas in the order to try: the prefix's home (the highest-ranked replica that is not overloaded)
     first when the prompt has a full block, then by load (ties rotated by `tie_break`, e.g. a request counter, so
-    equal replicas share a burst). Unusable replicas are left out."""
+    equal replicas share a burst). Unusable replicas are left out. policy "least_loaded" skips the prefix,
+    "round_robin" (the old behaviour, for comparison) ignores load too: replicas in turn from `tie_break`."""
     usable = [r for r in replicas if r.usable]
     if not usable:
         return []
     n = len(usable)
+    if policy == "round_robin":
+        return [usable[(tie_break + i) % n].name for i in range(n)]
     by_load = sorted(range(n), key=lambda i: (usable[i].kv_full, usable[i].load, (i - tie_break) % n))
     order = [usable[i].name for i in by_load]
-    key = prefix_key(prompt_ids, block_size)
+    key = prefix_key(prompt_ids, block_size) if policy == "prefix" else None
     if key is None:
         return order
     least = min(r.load for r in usable)

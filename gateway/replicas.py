@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gateway.placement import DEFAULT_BLOCK_SIZE, ReplicaView, place
+from gateway.placement import DEFAULT_BLOCK_SIZE, ReplicaView, check_policy, place
 from protos.specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -71,11 +71,11 @@ class Replica:
             asyncio.ensure_future(channel.close())
 
     def report(self, reply: verifier_pb2.VerifyResponse | verifier_pb2.ModelInfo) -> None:
-        """Load from a VerifyResponse or ModelInfo (fields an older verifier leaves at 0 keep the last value)."""
+        """Load from a VerifyResponse or ModelInfo. A VerifyResponse counts its own session, so num_sessions 0
+        there is an older verifier that does not report it: the last value stays."""
         self.num_waiting = reply.num_waiting
-        if reply.num_sessions:
+        if isinstance(reply, verifier_pb2.ModelInfo) or reply.num_sessions:
             self.num_sessions = reply.num_sessions
-        if reply.num_free_kv_blocks or reply.num_sessions:
             self.num_free_kv_blocks = reply.num_free_kv_blocks
         if isinstance(reply, verifier_pb2.ModelInfo):
             self.num_kv_blocks = reply.num_kv_blocks or self.num_kv_blocks
@@ -92,8 +92,9 @@ class VerifierPool:
     """Replicas by address; `order()` is placement's answer for a new session."""
 
     def __init__(self, make_stub: Callable[[str], tuple[verifier_pb2_grpc.VerifierStub, grpc.aio.Channel | None]],
-                 addrs: Sequence[str] = ()) -> None:
+                 addrs: Sequence[str] = (), policy: str = "prefix") -> None:
         self.make_stub = make_stub
+        self.policy = check_policy(policy)
         self.replicas: dict[str, Replica] = {}
         self._requests = itertools.count()
         self.set_addrs(addrs)
@@ -132,5 +133,5 @@ class VerifierPool:
         """Usable replicas in the order a new session should try them (gateway/placement.py)."""
         candidates = [r for r in self.replicas.values() if r not in exclude]
         block_size = candidates[0].block_size if candidates else DEFAULT_BLOCK_SIZE
-        names = place(prompt_ids, [r.view() for r in candidates], block_size, next(self._requests))
+        names = place(prompt_ids, [r.view() for r in candidates], block_size, next(self._requests), self.policy)
         return [self.replicas[n] for n in names]

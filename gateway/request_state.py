@@ -54,6 +54,7 @@ class RequestState:
     num_drafted: int = 0
     num_accepted: int = 0
     num_failovers: int = 0                                  # sessions opened again on another verifier replica
+    num_cached_prompt_tokens: int = 0                       # prompt tokens the first replica had cached
     listeners: list[RoundListener] = field(default_factory=list)
 
     @property

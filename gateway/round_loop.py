@@ -116,6 +116,7 @@ class Generation:
                 self.drafter.prefill(self.params.prompt_ids, self.params.num_draft_tokens) if self.drafter
                 else asyncio.sleep(0))
             span.set_attribute("specmesh.prefill.cached_tokens", start.num_cached_prompt_tokens)
+        self.state.num_cached_prompt_tokens = start.num_cached_prompt_tokens
         first = self.state.on_first_token(start.first_token_id)
         self._start_next_draft()
         yield RoundOutput(0, first, 0, 0, common_pb2.DRAFT_SOURCE_NONE)

@@ -107,7 +107,8 @@ async def build_gateway_parts(config: GatewayConfig, wait_for_verifier_s: float 
                          "comma-separated)")
     verifier_discovery = Discovery(entries, lambda addrs: verifiers.set_addrs(addrs), resolver,
                                    config.discovery_interval_s)
-    verifiers = VerifierPool(stub_maker(verifier_pb2_grpc.VerifierStub, config, verifier_discovery))
+    verifiers = VerifierPool(stub_maker(verifier_pb2_grpc.VerifierStub, config, verifier_discovery),
+                             policy=config.placement)
     info = await fetch_model_info(verifiers, verifier_discovery, wait_for_verifier_s)
     tokenizer = load_tokenizer(config.tokenizer or info.model_name, config.cache_dir)
     draft, discoveries = None, [verifier_discovery]

@@ -99,6 +99,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             await context.abort(exc.code(), f"verifier: {exc.details()}")
         finally:
             telemetry.end(sys.exc_info()[1])
+            self.metrics.prompt_cached_tokens.inc(generation.state.num_cached_prompt_tokens)
             if self.priors is not None:
                 self.priors.finish(prior_key, *learners)
             # A cancelled client must still release its KV blocks: run the cleanup as its own task.

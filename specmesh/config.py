@@ -97,6 +97,8 @@ class GatewayConfig:
     draft_addr: str = "127.0.0.1:50062"   # "" = no draft service (target-only); dns:///NAME:PORT as above
     discovery_interval_s: float = 5.0      # re-resolve dns:/// addresses this often
     max_failovers: int = 3                 # times one stream's verifier session may move to another replica
+    placement: str = "prefix"              # new sessions: "prefix" (prompt prefix, then load), "least_loaded",
+                                           # "round_robin" (gateway/placement.py)
     tokenizer: str = ""                    # model reference for the tokenizer; "" = the verifier's model
     num_draft_tokens: int = 4              # default draft length per round
     adaptive_draft_length: bool = True     # pick k per round from acceptance and measured costs (<= the request's)

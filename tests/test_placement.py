@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from gateway.placement import OVERLOAD_SLACK, ReplicaView, place, prefix_key, rendezvous_rank
 from gateway.server import build_gateway_parts
 from specmesh import client
@@ -85,12 +87,21 @@ async def test_requests_sharing_a_system_prompt_meet_on_one_replica() -> None:
         for question in ("Why is the sky blue?", "What is a prime?", "Name a river.", "Who wrote Hamlet?",
                          "What is rain?", "Define entropy."):
             await complete(port, system + question)
-        counts = sorted(s.started for s in stubs.values())
-        assert counts == [0, 6]                               # round-robin: [3, 3]
-        for question in ("a", "b", "c", "d"):                 # no full block in common: spread by load
+        other, home = sorted(stubs.values(), key=lambda s: s.started)
+        assert (other.started, home.started) == (0, 6)       # round-robin: 3 and 3
+        for question in ("a", "b", "c", "d"):                 # no full block in common: by load, ties in turn
             await complete(port, question)
-        assert sorted(s.started for s in stubs.values()) == [2, 8]
+        assert other.started >= 1 and other.started + home.started == 10
     finally:
         await gateway.server.stop(0)
         for r in replicas:
             await r.stop()
+
+
+def test_other_policies_for_comparison() -> None:
+    from gateway.placement import check_policy
+    busy = views(r0=5)
+    assert place([*SYSTEM, 1], busy, policy="least_loaded")[0] != NAMES[0]
+    assert [place([*SYSTEM, 1], busy, tie_break=i, policy="round_robin")[0] for i in range(3)] == NAMES
+    with pytest.raises(ValueError, match="placement must be one of prefix, least_loaded, round_robin; got 'x'"):
+        check_policy("x")

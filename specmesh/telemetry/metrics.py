@@ -37,6 +37,9 @@ class GatewayMetrics:
         self.e2e = Histogram("specmesh_request_duration_seconds", "End-to-end latency of finished requests",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("specmesh_prompt_tokens", "Prompt tokens received", registry=r)
+        self.prompt_cached_tokens = Counter("specmesh_prompt_cached_tokens",
+                                            "Prompt tokens whose KV the verifier replica already held (prefix cache "
+                                            "hits at StartSession)", registry=r)
         self.generation_tokens = Counter("specmesh_generation_tokens", "Tokens returned to clients", registry=r)
         self.requests = Counter("specmesh_requests", "Finished requests by finish reason", ["finish_reason"],
                                 registry=r)
