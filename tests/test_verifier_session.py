@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 
 import grpc
 import pytest
 
 from gateway.replicas import VerifierPool
 from gateway.verifier_session import SessionLost, VerifierSession, failover_seed
-from protos.specmesh.v1 import verifier_pb2
+from protos.specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 from specmesh.sampling import SamplingParams
 
 
@@ -120,3 +121,49 @@ def test_failover_seed() -> None:
     assert failover_seed(None, 10) is None
     assert failover_seed(1, 10) == failover_seed(1, 10) != failover_seed(1, 11)
     assert 0 <= failover_seed(2**64 - 1, 5) < 2**63
+
+
+async def test_a_moved_sampled_session_continues_from_the_targets_distribution() -> None:
+    """Invariant 2 across a move: the first token after the move, drawn by another replica prefilled with the
+    context, follows the target's distribution given that context (fresh draws: seeds are re-derived)."""
+    from transformers import AutoTokenizer
+
+    from specmesh.channels import internal_channel
+    from specmesh.models import resolve_model_dir
+    from tests.stack import start_verifier
+    from tests.test_sampling_e2e import NUM_SAMPLES, PARAMS, PROMPT, assert_follows, target_probs
+
+    replicas = [await start_verifier(), await start_verifier()]
+    channels = []
+
+    def make(addr: str):  # noqa: ANN202
+        channels.append(internal_channel(addr))
+        return verifier_pb2_grpc.VerifierStub(channels[-1]), channels[-1]
+
+    pool = VerifierPool(make, [r.addr for r in replicas])
+    prompt_ids = AutoTokenizer.from_pretrained(str(resolve_model_dir("tiny-target")))(PROMPT)["input_ids"]
+
+    async def one(seed: int) -> tuple[int, int]:
+        params = SamplingParams(temperature=PARAMS.temperature, top_k=PARAMS.top_k, seed=seed)
+        s = VerifierSession(pool, f"moved-{seed}", params, False, 30.0)
+        first = (await s.open(prompt_ids, 2)).first_token_id
+        before = s.replica
+        start = await s.move(SessionLost("unavailable", "test"), [*prompt_ids, first], 1, 1)
+        assert s.replica is not before
+        await s.close()
+        return first, start.first_token_id
+
+    try:
+        pairs: list[tuple[int, int]] = []
+        for start in range(0, NUM_SAMPLES, 40):
+            pairs += await asyncio.gather(*(one(seed) for seed in range(start, start + 40)))
+    finally:
+        for channel in channels:
+            await channel.close()
+        for r in replicas:
+            await r.stop()
+    assert_follows([a for a, _ in pairs], target_probs(prompt_ids))
+    first = collections.Counter(a for a, _ in pairs).most_common(1)[0][0]
+    second = [b for a, b in pairs if a == first]
+    assert len(second) >= 60
+    assert_follows(second, target_probs([*prompt_ids, first]))
