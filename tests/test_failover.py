@@ -9,6 +9,7 @@ import subprocess
 
 import grpc
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from transformers import AutoTokenizer
 
 from gateway.draft_link import BACKOFF_ROUNDS
@@ -17,10 +18,19 @@ from protos.specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specmesh import client
 from specmesh.config import GatewayConfig
 from specmesh.models import resolve_model_dir
+from specmesh.telemetry.tracing import add_exporter
 from tests.stack import reference_greedy, start_draft, start_gateway, start_verifier
 from tests.test_faults import PROMPT, free_port, spawn
 
 NUM_STREAMS, NUM_TOKENS = 6, 300
+
+
+@pytest.fixture(scope="module")
+def spans() -> InMemorySpanExporter:
+    memory = InMemorySpanExporter()
+    add_exporter(memory, "specmesh-test", batch=False)      # the in-process gateway's spans
+    yield memory
+    memory.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +89,7 @@ async def busiest(addrs: list[str]) -> int:
 
 
 @pytest.mark.parametrize("how", ["kill", "freeze"])
-async def test_streams_move_when_their_replica_dies(expected, how: str) -> None:
+async def test_streams_move_when_their_replica_dies(expected, spans, how: str) -> None:
     """kill: Verify fails UNAVAILABLE. freeze (SIGSTOP): the connection stays open and nothing answers; the health
     watch marks the replica down and the waiting Verify moves."""
     procs, addrs, gateway = await start()
@@ -93,6 +103,11 @@ async def test_streams_move_when_their_replica_dies(expected, how: str) -> None:
         assert all(r == expected for r in results), [r if isinstance(r, Exception) else len(r) for r in results]
         reason = "unavailable" if how == "kill" else "lost"
         assert failovers(gateway, reason) >= 1 and failovers(gateway, reason, "failed") == 0
+        events = [e for span in spans.get_finished_spans() for e in span.events if e.name == "specmesh.failover"
+                  and e.attributes["specmesh.failover.from"] == addrs[holder[0]]]
+        assert len(events) == failovers(gateway, reason)              # each move marked on its request's span
+        assert all(e.attributes["specmesh.failover.to"] == addrs[1 - holder[0]] for e in events)
+        assert all(0 < e.attributes["specmesh.failover.tokens_emitted"] < NUM_TOKENS for e in events)
         survivor = addrs[1 - holder[0]]
         for _ in range(100):                               # every session ended on the survivor (EndSession)
             if await num_sessions(survivor) == 0:
