@@ -1,9 +1,9 @@
 """The draft service replicas a gateway knows (fixed or discovered, gateway/discovery.py): one per request.
 
 A draft session holds only the draft model's KV, rebuilt from the context by a whole-context Propose, so the
-choice is simple: the replica with the fewest of this gateway's requests (ties rotate). A request whose replica
-fails UNAVAILABLE goes target-only for a few rounds as always (gateway/draft_link.py) and then continues on another
-replica (`reroute`), where the whole-context resend opens its session again.
+choice is simple: the replica this gateway sent the fewest requests so far (ties rotate): a spread, not a load.
+A request whose replica fails UNAVAILABLE goes target-only for a few rounds as always (gateway/draft_link.py) and
+then continues on another replica (`reroute`), where the whole-context resend opens its session again.
 """
 
 from __future__ import annotations

@@ -95,7 +95,6 @@ class Generation:
         # are streamed), so the draft service learns of a rejection at once and drafts while the client is served.
         self.overlap = overlap
         self._next_draft: _NextDraft | None = None
-        self.timeout_s = verifier_timeout_s
         # budget, output, finish reason, round counters
         self.state = RequestState(params.prompt_ids, params.max_new_tokens, eos_token_ids, params.ignore_eos)
         if draft_length is not None:
