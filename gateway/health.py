@@ -51,9 +51,9 @@ class VerifierWatch:
 
     async def probe_once(self) -> bool:
         """Probes every replica once; reports a change of the gateway's readiness. Returns it."""
-        replicas = self.pool.all()
+        replicas = self.pool.probed()
         await asyncio.gather(*(self._probe(r) for r in replicas))
-        self.failures = {r.addr: self.failures.get(r.addr, 0) for r in self.pool.all()}   # forget removed ones
+        self.failures = {r.addr: self.failures.get(r.addr, 0) for r in self.pool.probed()}   # forget gone ones
         serving = any(r.usable for r in self.pool.all())
         if serving != self.serving:
             self.serving = serving

@@ -96,6 +96,7 @@ class VerifierPool:
         self.make_stub = make_stub
         self.policy = check_policy(policy)
         self.replicas: dict[str, Replica] = {}
+        self.retired: list[Replica] = []              # removed, still holding this gateway's sessions
         self._requests = itertools.count()
         self.set_addrs(addrs)
 
@@ -120,7 +121,14 @@ class VerifierPool:
             log.info("verifier replica %s removed", replica.addr)
             replica.remove()
             del self.replicas[replica.addr]
+            self.retired.append(replica)
         return removed
+
+    def probed(self) -> list[Replica]:
+        """What the health watch probes: the replicas, and removed ones while sessions are pinned to them (one of
+        those that freezes must still move its streams)."""
+        self.retired = [r for r in self.retired if r.num_opened > 0 and r.channel is not None]
+        return self.all() + self.retired
 
     def all(self) -> list[Replica]:
         return list(self.replicas.values())
