@@ -10,7 +10,7 @@ import asyncio
 import functools
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -45,15 +45,34 @@ class Draft:
 NO_DRAFT = Draft([], None, common_pb2.DRAFT_SOURCE_NONE)
 
 
+class Verified(Protocol):
+    """A request's verified tokens as a proposer reads them on each call; `RequestState` (their one owner) is one."""
+
+    @property
+    def prompt_ids(self) -> Sequence[int]: ...
+
+    @property
+    def output_ids(self) -> Sequence[int]: ...
+
+
+@dataclass(frozen=True)
+class VerifiedTokens:
+    """A plain `Verified` (tests, benchmarks)."""
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+
+
 class Proposer(Protocol):
     """One source of drafts behind one `propose()`: the draft cache, n-gram lookup, the suffix tree (gateway/tiers.py,
     gateway/suffix_*.py) and the draft model (`ModelDrafter`). A proposer may return NO_DRAFT; whatever it returns
-    is verified, so no proposer can change output. `observe` is the round's outcome (see RequestState.on_round) and
-    what the verifier reported about its forward's cost (gateway/verify_cost.py)."""
+    is verified, so no proposer can change output. `num_tokens` is the draft model's length for the round, `room`
+    the most draft tokens worth verifying now (RequestState.draft_room; None: num_tokens): local proposers, whose
+    drafts are free, may fill it. `observe` is the round's outcome with the request's verified tokens after it (see
+    RequestState.on_round) and what the verifier reported about its forward's cost (gateway/verify_cost.py)."""
 
-    async def propose(self, context_ids: list[int], num_tokens: int) -> Draft: ...
+    async def propose(self, context_ids: list[int], num_tokens: int, room: int | None = None) -> Draft: ...
 
-    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int],
+    def observe(self, draft: Draft, num_accepted: int, verified: Verified,
                 cost: VerifyCost = UNKNOWN_COST) -> None: ...
 
 
@@ -101,6 +120,9 @@ class ModelDrafter:
     branch_prefetch: bool = False
     num_branch_hits: int = 0
     _branch: ModelDrafter | None = field(default=None, repr=False)
+    # Draft service replicas: given the replica that failed UNAVAILABLE, the one to use from now on (the session is
+    # opened there by the whole-context resend that follows the backoff). None: one replica.
+    reroute: Callable[[draft_pb2_grpc.DraftStub], draft_pb2_grpc.DraftStub] | None = field(default=None, repr=False)
     num_prefetch_hits: int = 0               # rounds drafted from a prefetch (no draft-link round trip waited for)
     bytes_sent: int = 0                      # serialized Propose requests / responses (the draft link's traffic)
     bytes_received: int = 0
@@ -153,7 +175,7 @@ class ModelDrafter:
         self._branch.prefetch(context_ids, Draft(chain[:position] + [token], None, common_pb2.DRAFT_SOURCE_MODEL),
                               num_tokens)
 
-    async def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
+    async def propose(self, context_ids: list[int], num_tokens: int, room: int | None = None) -> Draft:
         prefetched = await self._take_prefetch(context_ids, num_tokens)
         branched = await self._branch._take_prefetch(context_ids, num_tokens) if self._branch else None
         if prefetched is None and branched is not None:
@@ -180,6 +202,8 @@ class ModelDrafter:
                 if verdict is OnError.FAILURE:
                     log.warning("draft service failed (%s: %s); target-only for %d rounds", exc.code().name,
                                 exc.details(), BACKOFF_ROUNDS)
+                    if exc.code() == grpc.StatusCode.UNAVAILABLE and self.reroute is not None:
+                        self.stub = self.reroute(self.stub)
                 return NO_DRAFT
             return _to_draft(response, 0, num_tokens)
         return NO_DRAFT
@@ -234,7 +258,7 @@ class ModelDrafter:
         self.bytes_received += response.ByteSize()
         return response
 
-    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int],
+    def observe(self, draft: Draft, num_accepted: int, verified: Verified,
                 cost: VerifyCost = UNKNOWN_COST) -> None:
         pass                                      # the next Propose carries the verified tokens
 

@@ -69,7 +69,7 @@ class SessionKeepAlive:
         self._task: asyncio.Task[None] | None = None
 
     def interval_s(self) -> float:
-        return keepalive_interval_s(self.configured_s, [self.generation.verifier_lease_s, *self.leases_s.values()])
+        return keepalive_interval_s(self.configured_s, [self.generation.session.lease_s, *self.leases_s.values()])
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._run())
@@ -94,9 +94,10 @@ class SessionKeepAlive:
         g = self.generation
         interval = self.interval_s()
         calls = []
-        if g.owner_token and "verifier" not in self.unsupported:
-            request = common_pb2.KeepAliveRequest(session_id=g.session_id, owner_token=g.owner_token)
-            calls.append(("verifier", g.verifier.KeepAlive(request, timeout=interval)))
+        session = g.session                          # its replica now (a moved session renews where it went)
+        if session.owner_token and session.replica is not None and "verifier" not in self.unsupported:
+            request = common_pb2.KeepAliveRequest(session_id=g.session_id, owner_token=session.owner_token)
+            calls.append(("verifier", session.replica.stub.KeepAlive(request, timeout=interval)))
         drafter = model_drafter_of(g.drafter)
         if drafter is not None and drafter.bytes_sent and "draft service" not in self.unsupported:
             request = common_pb2.KeepAliveRequest(session_id=drafter.session_id, owner_token=drafter.owner_token)

@@ -1,6 +1,7 @@
-"""One generation: prefill on the verifier, then draft -> verify rounds until a stop condition.
+"""One generation: prefill on the verifier, then draft -> verify rounds until the request's state says it finished.
 
-Only verified tokens leave this loop. Text is produced by the caller from the yielded tokens.
+Only verified tokens leave this loop, cut at eos / max tokens by the `RequestState`. Text is produced by the caller
+from the yielded tokens; a stop string it finds ends the state (`RequestState.stop_string`) and so the loop.
 """
 
 from __future__ import annotations
@@ -10,31 +11,33 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 from opentelemetry.context import Context
 
 from gateway.adaptive import DraftLengthController
-from gateway.cleanup import END_SESSION_RETRY_S, end_until_done
 from gateway.draft_tree import main_chain_len
 from gateway.drafters import NO_DRAFT, Draft, Drafter
+from gateway.replicas import VerifierPool
 from gateway.request_state import RequestState, RoundEvent
 from gateway.round_outcomes import classify
 from gateway.round_spans import end_session_span, prefill_span, record_round, round_span
 from gateway.validation import GenerationParams
+from gateway.verifier_session import OnMove, SessionLost, VerifierSession
 from gateway.verify_cost import reported
-from protos.specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from specmesh.proto_convert import sampling_to_proto, sparse_dists_to_proto
+from protos.specmesh.v1 import common_pb2, verifier_pb2
+from specmesh.proto_convert import sparse_dists_to_proto
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class RoundOutput:
-    round: int                 # 0 = the prefill's first token
-    token_ids: list[int]       # newly verified tokens (not yet cut at eos / max tokens)
+    round: int                 # 0 = the prefill's first token (a failover's first token: the last round's index)
+    token_ids: list[int]       # newly verified tokens the client receives (cut at eos / max tokens)
     num_drafted: int
     num_accepted: int
     draft_source: int
@@ -71,21 +74,20 @@ def _observe_round(draft_length: DraftLengthController, event: RoundEvent, state
 
 
 class Generation:
-    """Drives one request's session on the verifier (and draft service). Always `close()` it."""
+    """Drives one request's session on a verifier replica (and the draft service); moves the session to another
+    replica when its own goes away (gateway/verifier_session.py). Always `close()` it."""
 
-    def __init__(self, params: GenerationParams, session_id: str,
-                 verifiers: Sequence[verifier_pb2_grpc.VerifierStub],
+    def __init__(self, params: GenerationParams, session_id: str, verifiers: VerifierPool,
                  drafter: Drafter | None, verifier_timeout_s: float, trace_context: Context | None = None,
                  draft_length: DraftLengthController | None = None, prefetch: bool = False,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, eos_token_ids: frozenset[int] = frozenset(), max_failovers: int = 3,
+                 on_move: OnMove | None = None) -> None:
         self.params = params
         self.trace_context = trace_context          # the request span: parent of the prefill / round spans
         self.session_id = session_id
-        self.owner_token = ""                       # the verifier's token for this session (from StartSession)
-        self.verifier_lease_s = 0.0                 # its lease as the verifier reported it (0: not known)
-        self.tenant = ""                            # the request's tenant, told to the verifier (admission share)
-        self.verifiers = list(verifiers)            # replicas in the order to try; the session stays on one
-        self.verifier = self.verifiers[0]
+        self._on_move = on_move
+        self.session = VerifierSession(verifiers, session_id, params.sampling, params.num_draft_tokens > 0,
+                                       verifier_timeout_s, max_failovers, self._moved)
         self.drafter = drafter
         self.draft_length = draft_length            # adaptive draft length (None: the request's fixed k)
         self.prefetch = prefetch                    # fetch the next draft block while the verifier works
@@ -93,14 +95,13 @@ class Generation:
         # are streamed), so the draft service learns of a rejection at once and drafts while the client is served.
         self.overlap = overlap
         self._next_draft: _NextDraft | None = None
-        self.timeout_s = verifier_timeout_s
-        self.cleanup_retry_s = END_SESSION_RETRY_S   # EndSession retried up to this long (gateway/cleanup.py)
-        self.state = RequestState(params.prompt_ids, params.max_new_tokens)   # budget, output, round counters
+        # budget, output, finish reason, round counters
+        self.state = RequestState(params.prompt_ids, params.max_new_tokens, eos_token_ids, params.ignore_eos)
         if draft_length is not None:
             self.state.listeners.append(functools.partial(_observe_round, draft_length))
         if drafter is not None:
             self.state.listeners.append(lambda event, state: drafter.observe(event.draft, event.num_accepted,
-                                                                              state.output_ids, event.cost))
+                                                                              state, event.cost))
 
     @property
     def output_ids(self) -> list[int]:
@@ -114,14 +115,21 @@ class Generation:
                 self.drafter.prefill(self.params.prompt_ids, self.params.num_draft_tokens) if self.drafter
                 else asyncio.sleep(0))
             span.set_attribute("specmesh.prefill.cached_tokens", start.num_cached_prompt_tokens)
-        self.state.on_first_token(start.first_token_id)
+        self.state.num_cached_prompt_tokens = start.num_cached_prompt_tokens
+        first = self.state.on_first_token(start.first_token_id)
         self._start_next_draft()
-        yield RoundOutput(0, [start.first_token_id], 0, 0, common_pb2.DRAFT_SOURCE_NONE)
-        while True:
-            event = await self._round(self.state.num_rounds + 1)
-            self.state.on_round(event)
+        yield RoundOutput(0, first, 0, 0, common_pb2.DRAFT_SOURCE_NONE)
+        while not self.state.finished:
+            try:
+                if self.session.should_move():
+                    raise SessionLost("draining", "the replica is draining (shutting down)")
+                event = await self._round(self.state.num_rounds + 1)
+            except SessionLost as lost:
+                yield await self._move(lost)
+                continue
+            tokens = self.state.on_round(event)
             self._start_next_draft()
-            yield RoundOutput(event.round, event.token_ids, len(event.draft.token_ids), event.num_accepted,
+            yield RoundOutput(event.round, tokens, len(event.draft.token_ids), event.num_accepted,
                               event.draft.source)
 
     async def _round(self, round_index: int) -> RoundEvent:
@@ -131,7 +139,7 @@ class Generation:
             started = time.perf_counter()
             wanted, draft = await self._draft(context)
             drafted = time.perf_counter()
-            verify = self.verifier.Verify(self._verify_request(draft), timeout=self.timeout_s)
+            verify = asyncio.ensure_future(self.session.verify(self._verify_request(draft)))
             if self.prefetch and self.drafter is not None:
                 # The next block crosses the draft link while the verifier works (used if all is accepted).
                 self.drafter.prefetch(context, draft, min(wanted, self.state.draft_room(len(draft.token_ids) + 1)))
@@ -157,43 +165,43 @@ class Generation:
         wanted = self._wanted_k()
         if self.drafter is None:
             return wanted, NO_DRAFT
-        return wanted, await self.drafter.propose(context, min(wanted, self.state.draft_room()))
+        room = self.state.draft_room()
+        return wanted, await self.drafter.propose(context, min(wanted, room), room)
 
     def _start_next_draft(self) -> None:
-        if not self.overlap or self.drafter is None or self.state.remaining <= 0:
+        if not self.overlap or self.drafter is None or self.state.remaining <= 0 or self.state.finished:
             return
         wanted = self._wanted_k()
-        task = asyncio.ensure_future(self.drafter.propose(self.state.context_ids,
-                                                          min(wanted, self.state.draft_room())))
+        room = self.state.draft_room()
+        task = asyncio.ensure_future(self.drafter.propose(self.state.context_ids, min(wanted, room), room))
         self._next_draft = _NextDraft(len(self.state.context_ids), wanted, task)
 
     def _verify_request(self, draft: Draft) -> verifier_pb2.VerifyRequest:
-        request = verifier_pb2.VerifyRequest(
-            session_id=self.session_id, owner_token=self.owner_token, draft_token_ids=draft.token_ids,
+        request = verifier_pb2.VerifyRequest(                # the session fills in its id and owner token
+            draft_token_ids=draft.token_ids,
             draft_dists=sparse_dists_to_proto(draft.dists or []))
         if draft.parents is not None:               # a tree (empty draft_parents on the wire = a chain)
             request.draft_parents.extend(draft.parents)
         return request
 
     async def _start_session(self) -> verifier_pb2.StartSessionResponse:
-        """Opens the session on the first replica that takes it. Nothing has been streamed yet, so a replica that
-        is down or draining (UNAVAILABLE) is simply skipped."""
-        request = verifier_pb2.StartSessionRequest(
-            session_id=self.session_id, prompt_token_ids=self.params.prompt_ids,
-            sampling=sampling_to_proto(self.params.sampling), max_new_tokens=self.params.max_new_tokens,
-            speculative=self.params.num_draft_tokens > 0, tenant=self.tenant)
-        for i, stub in enumerate(self.verifiers):
-            try:
-                start = await stub.StartSession(request, timeout=self.timeout_s)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or i == len(self.verifiers) - 1:
-                    raise
-                log.warning("verifier replica %d unavailable (%s); trying the next", i, exc.details())
-                continue
-            self.verifier, self.owner_token = stub, start.owner_token
-            self.verifier_lease_s = start.lease_s            # renewed while the stream is open (gateway/keepalive.py)
-            return start
-        raise AssertionError("unreachable: at least one verifier replica")
+        """Opens the session on the replica placement picks (gateway/placement.py), or the next that takes it."""
+        return await self.session.open(self.params.prompt_ids, self.params.max_new_tokens)
+
+    async def _move(self, lost: SessionLost) -> RoundOutput:
+        """The session again on another replica, prefilled with everything verified; its first token goes on."""
+        start = await self.session.move(lost, self.state.context_ids, self.state.remaining, self.state.num_emitted)
+        tokens = self.state.on_failover(start.first_token_id)
+        self._start_next_draft()
+        return RoundOutput(self.state.num_rounds, tokens, 0, 0, common_pb2.DRAFT_SOURCE_NONE)
+
+    def _moved(self, reason: str, old: str, new: str | None, num_emitted: int) -> None:
+        """A move (or a failed one) is an event on the request's span."""
+        trace.get_current_span(self.trace_context).add_event("specmesh.failover", {
+            "specmesh.failover.reason": reason, "specmesh.failover.from": old,
+            "specmesh.failover.to": new or "", "specmesh.failover.tokens_emitted": num_emitted})
+        if self._on_move is not None:
+            self._on_move(reason, old, new, num_emitted)
 
     async def close(self) -> None:
         """Release the session everywhere; runs even when the client went away. A verifier session that never
@@ -204,12 +212,7 @@ class Generation:
                 await self._next_draft.task
             self._next_draft = None
         with end_session_span(self.trace_context):
-            calls = []
-            if self.owner_token:
-                request = common_pb2.EndSessionRequest(session_id=self.session_id, owner_token=self.owner_token)
-                # Retried with backoff until done (gateway/cleanup.py): a hung verifier frees it once it resumes.
-                calls.append(end_until_done(lambda: self.verifier.EndSession(request, timeout=5.0), "verifier",
-                                            self.cleanup_retry_s))
+            calls = [self.session.close()]
             if self.drafter is not None:
                 calls.append(self.drafter.close())
             results = await asyncio.gather(*calls, return_exceptions=True)

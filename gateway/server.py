@@ -1,4 +1,4 @@
-"""Builds the gateway: channels to the verifier and draft service, the tokenizer, the public servicer."""
+"""Builds the gateway: the verifier and draft replicas (fixed or discovered by DNS), the tokenizer, the servicer."""
 
 from __future__ import annotations
 
@@ -7,11 +7,15 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from gateway.discovery import Discovery, Resolver, parse_addrs, resolve_dns
+from gateway.draft_pool import DraftPool
 from gateway.health import VerifierWatch
+from gateway.replicas import VerifierPool
 from gateway.safe_parse import add_generation_servicer
 from gateway.servicer import GenerationServicer, ModelInfo
 from gateway.text_stream import IncrementalDetokenizer
@@ -26,19 +30,38 @@ from specmesh.telemetry.metrics import GatewayMetrics, StatsCollector, start_met
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
-async def fetch_model_info(stub: verifier_pb2_grpc.VerifierStub, wait_s: float) -> verifier_pb2.ModelInfo:
-    """Waits up to wait_s for the verifier to answer (it may still be loading its model)."""
+async def fetch_model_info(pool: VerifierPool, discovery: Discovery, wait_s: float) -> verifier_pb2.ModelInfo:
+    """Waits up to wait_s for some verifier replica to answer (it may still be loading its model, or not be in DNS
+    yet)."""
     deadline = asyncio.get_running_loop().time() + wait_s
+    problem = "no replica found"
     while True:
-        try:
-            return await stub.GetModelInfo(verifier_pb2.GetModelInfoRequest(), timeout=5.0, wait_for_ready=True)
-        except grpc.aio.AioRpcError as exc:
-            if asyncio.get_running_loop().time() > deadline:
-                raise RuntimeError(f"verifier not reachable: {exc.code().name} {exc.details()}") from exc
-            await asyncio.sleep(0.5)
+        await discovery.refresh()
+        for replica in pool.all():
+            try:
+                info = await replica.stub.GetModelInfo(verifier_pb2.GetModelInfoRequest(), timeout=5.0,
+                                                       wait_for_ready=True)
+            except grpc.aio.AioRpcError as exc:
+                problem = f"{replica.addr}: {exc.code().name} {exc.details()}"
+                continue
+            replica.report(info)
+            return info
+        if asyncio.get_running_loop().time() > deadline:
+            raise RuntimeError(f"verifier not reachable ({problem})")
+        await asyncio.sleep(0.5)
+
+
+def stub_maker(stub_type: Callable[[grpc.aio.Channel], T], config: GatewayConfig,
+               discovery: Discovery) -> Callable[[str], tuple[T, grpc.aio.Channel]]:
+    """One channel per replica address (a discovered IP is checked against its DNS name under TLS)."""
+    def make(addr: str) -> tuple[T, grpc.aio.Channel]:
+        channel = internal_channel(addr, config.tls, discovery.server_names.get(addr, ""))
+        return stub_type(channel), channel
+    return make
 
 
 def public_refusal_counter(metrics: GatewayMetrics) -> Callable[[str, grpc.StatusCode], None]:
@@ -66,23 +89,35 @@ class Gateway:
     tokenizer: PreTrainedTokenizerBase
     metrics: GatewayMetrics            # one registry: the metrics port and the HTTP API's /metrics
     watch: VerifierWatch               # readiness: some verifier replica answers
+    verifiers: VerifierPool            # the replicas now (discovery keeps it current)
 
 
-async def build_gateway(config: GatewayConfig, wait_for_verifier_s: float = 600.0) -> ServiceServer:
-    return (await build_gateway_parts(config, wait_for_verifier_s)).server
+async def build_gateway(config: GatewayConfig, wait_for_verifier_s: float = 600.0,
+                        resolver: Resolver = resolve_dns) -> ServiceServer:
+    return (await build_gateway_parts(config, wait_for_verifier_s, resolver)).server
 
 
-async def build_gateway_parts(config: GatewayConfig, wait_for_verifier_s: float = 600.0) -> Gateway:
+async def build_gateway_parts(config: GatewayConfig, wait_for_verifier_s: float = 600.0,
+                              resolver: Resolver = resolve_dns) -> Gateway:
+    """resolver: how dns:/// names become addresses (tests inject their own)."""
     credentials, keys = server_credentials(config.tls), load_api_keys(config)   # fail fast
-    addrs = [a.strip() for a in config.verifier_addr.split(",") if a.strip()]
-    if not addrs:
-        raise ValueError("verifier_addr must name at least one verifier (host:port[,host:port...])")
-    verifiers = [verifier_pb2_grpc.VerifierStub(internal_channel(a, config.tls)) for a in addrs]
-    info = await fetch_model_info(verifiers[0], wait_for_verifier_s)
+    entries = parse_addrs(config.verifier_addr, "verifier_addr")
+    if not entries:
+        raise ValueError("verifier_addr must name at least one verifier (host:port or dns:///NAME:PORT, "
+                         "comma-separated)")
+    verifier_discovery = Discovery(entries, lambda addrs: verifiers.set_addrs(addrs), resolver,
+                                   config.discovery_interval_s)
+    verifiers = VerifierPool(stub_maker(verifier_pb2_grpc.VerifierStub, config, verifier_discovery),
+                             policy=config.placement)
+    info = await fetch_model_info(verifiers, verifier_discovery, wait_for_verifier_s)
     tokenizer = load_tokenizer(config.tokenizer or info.model_name, config.cache_dir)
-    draft = None
+    draft, discoveries = None, [verifier_discovery]
     if config.draft_addr:
-        draft = draft_pb2_grpc.DraftStub(internal_channel(config.draft_addr, config.tls))
+        draft_discovery = Discovery(parse_addrs(config.draft_addr, "draft_addr"),
+                                    lambda addrs: drafts.set_addrs(addrs), resolver, config.discovery_interval_s)
+        draft = drafts = DraftPool(stub_maker(draft_pb2_grpc.DraftStub, config, draft_discovery))
+        await draft_discovery.refresh()
+        discoveries.append(draft_discovery)
     model = ModelInfo(info.model_name, info.max_model_len, frozenset(info.eos_token_ids))
     tiers = build_tiers(config, info.model_name, config.tokenizer or info.model_name, info.vocab_size)
     metrics = GatewayMetrics()
@@ -94,12 +129,15 @@ async def build_gateway_parts(config: GatewayConfig, wait_for_verifier_s: float 
                            max_message_bytes=config.limits.max_body_bytes)
     metrics.registry.register(StatsCollector(server.stats))       # tier hits, draft-link bytes
     server.metrics = start_metrics(config.telemetry, config.host, metrics.registry)
-    watch = VerifierWatch(verifiers, addrs, server.set_ready, config.health_probe_interval_s,
-                          config.health_probe_timeout_s, config.health_probe_failures)   # gRPC and HTTP health
+    watch = VerifierWatch(verifiers, server.set_ready, config.health_probe_interval_s,      # gRPC and HTTP health
+                          config.health_probe_timeout_s, config.health_probe_failures)
     server.readiness = lambda: watch.serving
     watch.start()
     server.on_stop.append(watch.close)
+    for discovery in discoveries:                                 # dns:/// names are resolved again and again
+        discovery.start()
+        server.on_stop.append(discovery.close)
     server.on_stop.append(tiers.close)
     server.stats["drafting"] = tiers.snapshot
     server.stats["round_outcomes"] = servicer.outcomes.snapshot   # specmesh_round_outcomes_* counters
-    return Gateway(server, model, tokenizer, metrics, watch)
+    return Gateway(server, model, tokenizer, metrics, watch, verifiers)

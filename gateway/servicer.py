@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -14,10 +13,12 @@ from opentelemetry.context import Context
 from transformers import PreTrainedTokenizerBase
 
 from gateway.adaptive import DraftLengthController
+from gateway.draft_pool import DraftPool
 from gateway.drafters import ModelDrafter
 from gateway.keepalive import SessionKeepAlive
 from gateway.learned_priors import LearnedPriors, PriorKey
 from gateway.quotas import TenantQuotas, admit_or_abort, overload_metadata
+from gateway.replicas import VerifierPool
 from gateway.request_state import RequestState, RoundEvent
 from gateway.request_telemetry import RequestTelemetry
 from gateway.round_loop import Generation, RoundOutput
@@ -28,7 +29,7 @@ from gateway.text_stream import TextStream
 from gateway.tiers import DraftTiers, tenant_from_metadata
 from gateway.upstream_errors import public_details
 from gateway.validation import GenerationParams, validate_request
-from protos.specmesh.v1 import common_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, verifier_pb2_grpc
+from protos.specmesh.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from specmesh.config import GatewayConfig
 from specmesh.engine.loop import EngineError
 from specmesh.grpc_server import status_code
@@ -46,28 +47,16 @@ class ModelInfo:
     eos_token_ids: frozenset[int]
 
 
-@dataclass
-class _Progress:
-    """What a request has produced so far (plain ints), for stop handling and usage."""
-
-    num_tokens: int = 0
-    num_rounds: int = 0
-    num_drafted: int = 0
-    num_accepted: int = 0
-    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
-
-
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def __init__(self, config: GatewayConfig, tokenizer: PreTrainedTokenizerBase, model: ModelInfo,
-                 verifiers: Sequence[verifier_pb2_grpc.VerifierStub], draft: draft_pb2_grpc.DraftStub | None,
+                 verifiers: VerifierPool, draft: DraftPool | None,
                  tiers: DraftTiers | None = None, metrics: GatewayMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or GatewayMetrics()
         self.tiers = tiers                          # cache / n-gram tiers in front of the draft service
         self.tokenizer = tokenizer
         self.model = model
-        self.verifiers = list(verifiers)           # replicas; sessions are spread round-robin
-        self._next_replica = itertools.count()
+        self.verifiers = verifiers                  # replicas; placement picks one per session (gateway/placement.py)
         self.draft = draft
         self._cleanups: set[asyncio.Task[None]] = set()
         self.outcomes = RoundOutcomes()             # how model-drafted rounds ended (gateway-wide counters)
@@ -104,7 +93,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         ticket = await admit_or_abort(self.quotas, self.metrics, tenant, params, context, telemetry)   # fair share
         telemetry.started(params)
         generation = self._new_generation(params, context, telemetry.context)
-        generation.tenant = tenant                       # the verifier keeps a share for tenants holding nothing
+        generation.session.tenant = tenant               # the verifier keeps a share for tenants holding nothing
         keepalive = SessionKeepAlive(generation, self.config.session_keepalive_s)   # a slow reader loses nothing
         keepalive.start()
         learners = generation.draft_length, _choice_of(generation.drafter)
@@ -123,6 +112,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             keepalive.stop()
             ticket.release()
             telemetry.end(sys.exc_info()[1])
+            self.metrics.prompt_cached_tokens.inc(generation.state.num_cached_prompt_tokens)
             if self.priors is not None:
                 self.priors.finish(prior_key, *learners)
             # A cancelled client must still release its KV blocks: run the cleanup as its own task.
@@ -144,24 +134,28 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if self.config.adaptive_draft_length and params.num_draft_tokens > 0:
             draft_length = DraftLengthController(max_k=params.num_draft_tokens, initial_k=params.num_draft_tokens)
         drafter = None
-        if self.draft is not None and params.num_draft_tokens > 0:
-            drafter = ModelDrafter(self.draft, session_id, params.sampling,
+        draft_stub = self.draft.pick() if self.draft is not None and params.num_draft_tokens > 0 else None
+        if self.draft is not None and draft_stub is not None:
+            drafter = ModelDrafter(draft_stub, session_id, params.sampling,
                                    min(self.config.draft_timeout_s, verifier_timeout),
                                    tree_width=self.config.draft_tree_width, outcomes=self.outcomes,
                                    tree_pricing=draft_length.tree_width if draft_length else None,
-                                   branch_prefetch=self.config.overlap,
+                                   branch_prefetch=self.config.overlap, reroute=self.draft.reroute,
                                    cleanup_retry_s=self.config.end_session_retry_s)
         if self.tiers is not None and params.num_draft_tokens > 0:
-            drafter = self.tiers.drafter(params, drafter, self.tiers.tenant(context.invocation_metadata()))
+            drafter = self.tiers.drafter(drafter, self.tiers.tenant(context.invocation_metadata()))
             if draft_length is not None:                # local drafts priced under load like the model's
                 drafter.local_cap = draft_length.local_draft_cap
-        first = next(self._next_replica) % len(self.verifiers)
-        order = self.verifiers[first:] + self.verifiers[:first]
-        generation = Generation(params, session_id, order, drafter, verifier_timeout, trace_context, draft_length,
-                                prefetch=self.config.draft_prefetch, overlap=self.config.overlap)
-        generation.cleanup_retry_s = self.config.end_session_retry_s
+        generation = Generation(params, session_id, self.verifiers, drafter, verifier_timeout, trace_context,
+                                draft_length, prefetch=self.config.draft_prefetch, overlap=self.config.overlap,
+                                eos_token_ids=self.model.eos_token_ids, max_failovers=self.config.max_failovers,
+                                on_move=self._count_failover)
+        generation.session.cleanup_retry_s = self.config.end_session_retry_s
         generation.state.listeners.append(self._count_outcome)
         return generation
+
+    def _count_failover(self, reason: str, old: str, new: str | None, num_emitted: int) -> None:
+        self.metrics.failovers.labels(reason, "moved" if new is not None else "failed").inc()
 
     def _count_outcome(self, event: RoundEvent, state: RequestState) -> None:
         if event.draft.source == common_pb2.DRAFT_SOURCE_MODEL:
@@ -169,46 +163,27 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     async def _stream(self, params: GenerationParams,
                       generation: Generation) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """The rounds' tokens as text; the generation's state cuts them at eos / max tokens, a stop string ends it."""
         text = TextStream(self.tokenizer, params.stop, params.prompt_ids)
-        progress = _Progress()
+        state = generation.state
         async for out in generation.rounds():
-            tokens = self._accept_tokens(params, out, progress)
+            tokens = out.token_ids
             delta, stopped = text.push(tokens)
             if stopped:
-                tokens = tokens[: max(0, text.num_tokens_consumed - (progress.num_tokens - len(tokens)))]
-                progress.num_tokens = text.num_tokens_consumed
-                progress.finish_reason = common_pb2.FINISH_REASON_STOP_STRING
-            elif progress.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                tokens = state.stop_string(text.num_tokens_consumed, tokens)
+            elif state.finished:
                 delta += text.finish()
                 if text.stopped:                     # the stop string only completed in the held-back text
-                    progress.finish_reason = common_pb2.FINISH_REASON_STOP_STRING
+                    state.stop_string_held()
             response = generate_pb2.GenerateResponse(request_id=params.request_id, text=delta, token_ids=tokens,
                                                      round=self._round_stats(out))
-            if progress.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                response.finish_reason = progress.finish_reason
-                response.usage.CopyFrom(self._usage(params, progress))
+            if state.finished:
+                response.finish_reason = state.finish_reason
+                response.usage.CopyFrom(self._usage(state))
                 yield response
                 return
             if delta or tokens:
                 yield response
-
-    def _accept_tokens(self, params: GenerationParams, out: RoundOutput, progress: _Progress) -> list[int]:
-        """Cut a round's verified tokens at eos / max_new_tokens and record progress."""
-        if out.round > 0:
-            progress.num_rounds += 1
-            progress.num_drafted += out.num_drafted
-            progress.num_accepted += out.num_accepted
-        tokens: list[int] = []
-        for token in out.token_ids:
-            if not params.ignore_eos and token in self.model.eos_token_ids:
-                progress.finish_reason = common_pb2.FINISH_REASON_STOP
-                break
-            tokens.append(token)
-            if progress.num_tokens + len(tokens) >= params.max_new_tokens:
-                progress.finish_reason = common_pb2.FINISH_REASON_LENGTH
-                break
-        progress.num_tokens += len(tokens)
-        return tokens
 
     @staticmethod
     def _round_stats(out: RoundOutput) -> generate_pb2.RoundStats:
@@ -216,12 +191,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                        draft_source=out.draft_source)
 
     @staticmethod
-    def _usage(params: GenerationParams, progress: _Progress) -> generate_pb2.Usage:
-        rate = progress.num_accepted / progress.num_drafted if progress.num_drafted else 0.0
-        per_round = (progress.num_accepted + progress.num_rounds) / progress.num_rounds if progress.num_rounds else 0.0
-        return generate_pb2.Usage(prompt_tokens=len(params.prompt_ids), completion_tokens=progress.num_tokens,
-                                  num_rounds=progress.num_rounds, num_drafted_tokens=progress.num_drafted,
-                                  num_accepted_tokens=progress.num_accepted, acceptance_rate=rate,
+    def _usage(state: RequestState) -> generate_pb2.Usage:
+        rate = state.num_accepted / state.num_drafted if state.num_drafted else 0.0
+        per_round = (state.num_accepted + state.num_rounds) / state.num_rounds if state.num_rounds else 0.0
+        return generate_pb2.Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=state.num_emitted,
+                                  num_rounds=state.num_rounds, num_drafted_tokens=state.num_drafted,
+                                  num_accepted_tokens=state.num_accepted, acceptance_rate=rate,
                                   mean_tokens_per_round=per_round)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gateway.draft_tree import main_chain_len
-from gateway.drafters import NO_DRAFT, Draft, ModelDrafter
+from gateway.drafters import NO_DRAFT, Draft, ModelDrafter, Verified
 from gateway.round_spans import cache_lookup_span
 from gateway.suffix_choice import GLOBAL, LOCAL, MODEL, ProposerChoice
 from gateway.suffix_index import ContextIndex
@@ -48,13 +48,13 @@ class _Round:
     draft: Draft
     model_len: int                   # the draft model's chain: the draft's first model_len nodes
     sent_at: float                   # perf_counter when the draft left for the verifier
-    num_output: int                  # output tokens before the round (its accepted drafts come right after)
+    context_len: int                 # verified tokens before the round (its accepted drafts come right after)
 
 
 class SuffixDrafter(TieredDrafter):
-    def __init__(self, tiers: DraftTiers, prompt_ids: list[int], max_new_tokens: int, scope: str,
-                 model: ModelDrafter | None, store: SuffixStore | None, max_branches: int = 1) -> None:
-        super().__init__(tiers, prompt_ids, max_new_tokens, scope, model, store)  # type: ignore[arg-type]
+    def __init__(self, tiers: DraftTiers, scope: str, model: ModelDrafter | None, store: SuffixStore | None,
+                 max_branches: int = 1) -> None:
+        super().__init__(tiers, scope, model, store)  # type: ignore[arg-type]
         self.store = store
         self.max_branches = max(1, max_branches)
         self.index = ContextIndex()
@@ -64,9 +64,9 @@ class SuffixDrafter(TieredDrafter):
             # no adaptive draft length to price the model's tree width: the choice's model estimates do it
             model.tree_pricing = self.choice.model.tree_width        # type: ignore[union-attr]
 
-    async def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
+    async def propose(self, context_ids: list[int], num_tokens: int, room: int | None = None) -> Draft:
         self._round = None
-        room = max(self.max_new_tokens - (len(context_ids) - len(self.prompt_ids)) - 1, 0)
+        room = num_tokens if room is None else room
         cap = min(room, self.settings.local_max_tokens)
         proposals = {LOCAL: self._local(context_ids, cap), GLOBAL: await self._shared(context_ids, cap)}
         proposals = {p: self.choice.trimmed(p, prop) for p, prop in proposals.items()}
@@ -95,7 +95,7 @@ class SuffixDrafter(TieredDrafter):
         self.tiers.stats.tree_drafts += draft.parents is not None and with_suffix_nodes
         if best is not None and draft.token_ids:
             self._round = _Round(best, suffix_from, proposals[suffix_from], draft, model_len,
-                                 time.perf_counter(), len(context_ids) - len(self.prompt_ids))
+                                 time.perf_counter(), len(context_ids))
         return draft
 
     def _model_round_allowed(self) -> bool:
@@ -137,25 +137,26 @@ class SuffixDrafter(TieredDrafter):
         self.choice.observe_cost(GLOBAL, time.perf_counter() - started)
         return best
 
-    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int],
+    def observe(self, draft: Draft, num_accepted: int, verified: Verified,
                 cost: VerifyCost = UNKNOWN_COST) -> None:
         counters = self.tiers.stats.tier(draft.source)
         if counters is not None:
             counters.drafted += len(draft.token_ids)
             counters.accepted += num_accepted
         if self._round is not None and self._round.draft is draft:
-            self._learn(self._round, num_accepted, output_ids, cost)
+            self._learn(self._round, num_accepted, verified, cost)
         self._round = None
-        self.output_ids = output_ids
-        self._record(len(output_ids) - MAX_CONTINUATION_TOKENS)
+        self._verified = verified
+        self._record(len(verified.output_ids) - MAX_CONTINUATION_TOKENS)
 
-    def _learn(self, done: _Round, num_accepted: int, output_ids: list[int], cost: VerifyCost) -> None:
+    def _learn(self, done: _Round, num_accepted: int, verified: Verified, cost: VerifyCost) -> None:
         """Feeds the round's measurements to the choice: verify time and the verifier's cost of one more token, and
         acceptance of what each part drafted."""
         verify_s = time.perf_counter() - done.sent_at
         self.choice.observe_verify(len(done.draft.token_ids), verify_s, cost)
         # (a verifier that decoded ahead may send more than one target token after the accepted drafts)
-        accepted_ids = output_ids[done.num_output:done.num_output + num_accepted]
+        start = done.context_len - len(verified.prompt_ids)
+        accepted_ids = list(verified.output_ids[start:start + num_accepted])
         if done.proposer == MODEL:
             # the model's own chain (a tree from the draft service puts its alternatives after the chain)
             chain_len = main_chain_len(done.draft.parents, done.model_len)

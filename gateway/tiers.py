@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from gateway.drafters import NO_DRAFT, Draft, ModelDrafter
+from gateway.drafters import NO_DRAFT, Draft, ModelDrafter, Verified, VerifiedTokens
 from gateway.round_spans import cache_lookup_span
 from gateway.tier_stats import DraftingStats
-from gateway.validation import GenerationParams
 from gateway.verify_cost import UNKNOWN_COST, VerifyCost
 from kvstore import CacheSettings, open_cache
 from kvstore.base import MAX_CONTINUATION_TOKENS, DraftCache
@@ -79,15 +78,15 @@ class DraftTiers:
     def tenant(self, metadata: Metadata) -> str | None:
         return tenant_from_metadata(metadata, self.api_keys)
 
-    def drafter(self, params: GenerationParams, model: ModelDrafter | None, tenant: str | None) -> TieredDrafter:
-        """tenant None (unresolved: no cache) is unreachable behind the API-key interceptor; kept safe anyway."""
+    def drafter(self, model: ModelDrafter | None, tenant: str | None) -> TieredDrafter:
+        """One request's drafter. tenant None (unresolved: no cache) is unreachable behind the API-key interceptor;
+        kept safe anyway."""
         scope = "shared" if self.settings.shared_scope else f"tenant:{tenant}"
         cache = self.cache if tenant is not None or self.settings.shared_scope else None
         if self.settings.suffix_drafting:
             from gateway.suffix_drafter import SuffixDrafter  # it builds on TieredDrafter, below
-            return SuffixDrafter(self, params.prompt_ids, params.max_new_tokens, scope, model, cache,
-                                 self.settings.max_branches)
-        return TieredDrafter(self, params.prompt_ids, params.max_new_tokens, scope, model, cache)
+            return SuffixDrafter(self, scope, model, cache, self.settings.max_branches)
+        return TieredDrafter(self, scope, model, cache)
 
     def snapshot(self) -> dict[str, int]:
         """Tier counters, draft-link bytes and the cache's own counters (`cache_store_*`), as plain ints."""
@@ -102,16 +101,15 @@ class DraftTiers:
 
 
 class TieredDrafter:
-    def __init__(self, tiers: DraftTiers, prompt_ids: list[int], max_new_tokens: int, scope: str,
-                 model: ModelDrafter | None, cache: DraftCache | None) -> None:
+    """The request's budget and tokens are not kept here: each call brings them (`room`, `Verified`)."""
+
+    def __init__(self, tiers: DraftTiers, scope: str, model: ModelDrafter | None, cache: DraftCache | None) -> None:
         self.tiers = tiers
         self.cache = cache
         self.settings = tiers.settings
-        self.prompt_ids = prompt_ids
-        self.max_new_tokens = max_new_tokens
         self.scope = scope
         self.model = model
-        self.output_ids: list[int] = []
+        self._verified: Verified = VerifiedTokens((), ())   # the owner's tokens as of the last observe (for close)
         self._recorded = 0                           # output positions already written to the cache
         self._bytes_counted = (0, 0)                 # the model drafter's bytes sent / received already counted
         self._caps = {CACHE: self.settings.local_max_tokens, NGRAM: self.settings.local_max_tokens}
@@ -129,9 +127,9 @@ class TieredDrafter:
             self.model.prefetch(context_ids, draft, num_tokens)
             self.tiers.stats.prefetch_sent += self.model.prefetching
 
-    async def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
+    async def propose(self, context_ids: list[int], num_tokens: int, room: int | None = None) -> Draft:
         """num_tokens is the draft service's length; local drafts are free, so they fill the room left."""
-        room = max(self.max_new_tokens - (len(context_ids) - len(self.prompt_ids)) - 1, 0)
+        room = num_tokens if room is None else room
         if room <= 0:
             return NO_DRAFT
         if self.cache is not None and (n := self._local_room(room, CACHE)) > 0:
@@ -187,7 +185,7 @@ class TieredDrafter:
         stats.draft_bytes_received += self.model.bytes_received - self._bytes_counted[1]
         self._bytes_counted = (self.model.bytes_sent, self.model.bytes_received)
 
-    def observe(self, draft: Draft, num_accepted: int, output_ids: list[int],
+    def observe(self, draft: Draft, num_accepted: int, verified: Verified,
                 cost: VerifyCost = UNKNOWN_COST) -> None:
         counters = self.tiers.stats.tier(draft.source)
         if counters is not None:
@@ -197,22 +195,22 @@ class TieredDrafter:
             full = num_accepted == len(draft.token_ids)
             cap = self._caps[draft.source] * 2 if full else num_accepted + 1
             self._caps[draft.source] = max(1, min(cap, self.settings.local_max_tokens))
-        self.output_ids = output_ids
-        self._record(len(output_ids) - MAX_CONTINUATION_TOKENS)
+        self._verified = verified
+        self._record(len(verified.output_ids) - MAX_CONTINUATION_TOKENS)
 
     def _record(self, upto: int) -> None:
         """Writes the verified continuation after each output position < upto to the cache."""
-        cache, out = self.cache, self.output_ids
+        cache, out = self.cache, self._verified.output_ids
         if cache is None:
             return
-        tail, prompt = self.settings.context_tail, self.prompt_ids
+        tail, prompt = self.settings.context_tail, self._verified.prompt_ids
         for p in range(self._recorded, upto):
-            context = out[p - tail:p] if p >= tail else prompt[max(0, len(prompt) - tail + p):] + out[:p]
-            cache.record(self.scope, context, out[p:p + MAX_CONTINUATION_TOKENS])
+            context = out[p - tail:p] if p >= tail else [*prompt[max(0, len(prompt) - tail + p):], *out[:p]]
+            cache.record(self.scope, list(context), list(out[p:p + MAX_CONTINUATION_TOKENS]))
         self._recorded = max(self._recorded, upto)
 
     async def close(self) -> None:
-        self._record(len(self.output_ids))           # the last positions, with shorter continuations
+        self._record(len(self._verified.output_ids))   # the last positions, with shorter continuations
         if self.model is not None:
             await self.model.close()
             self._count_bytes()

@@ -20,10 +20,12 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def internal_channel(addr: str, tls: TlsConfig | None = None) -> grpc.aio.Channel:
+def internal_channel(addr: str, tls: TlsConfig | None = None, server_name: str = "") -> grpc.aio.Channel:
     """An aio channel from one specmesh service to another; every call carries W3C trace context.
-    TLS (and mutual TLS) when `tls.tls_ca` is set (specmesh.security.channel_credentials)."""
+    TLS (and mutual TLS) when `tls.tls_ca` is set (specmesh.security.channel_credentials). server_name: the name
+    the server's certificate must carry when `addr` is one of its IP addresses (a replica found by DNS)."""
     credentials = channel_credentials(tls) if tls is not None else None
     if credentials is not None:
-        return grpc.aio.secure_channel(addr, credentials, options=CHANNEL_OPTIONS, interceptors=client_interceptors())
+        options = [*CHANNEL_OPTIONS, *([("grpc.ssl_target_name_override", server_name)] if server_name else [])]
+        return grpc.aio.secure_channel(addr, credentials, options=options, interceptors=client_interceptors())
     return grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS, interceptors=client_interceptors())

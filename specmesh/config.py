@@ -125,8 +125,15 @@ class GatewayConfig:
     tenant_max_queued_tokens: int = 0      # prompt + max_new_tokens of a tenant's open generations; 0 = any
     tenant_tokens_per_s: int = 0           # prompt + max_new_tokens a tenant may start per second; 0 = any
     retry_after_s: float = 1.0             # retry hint of an overload refusal (Retry-After, grpc-retry-pushback-ms)
-    verifier_addr: str = "127.0.0.1:50061"  # comma-separated replicas: a session starts on the first that takes it
-    draft_addr: str = "127.0.0.1:50062"   # "" = no draft service (target-only)
+    # Verifier replicas: comma-separated host:port, and/or dns:///NAME:PORT entries re-resolved every
+    # discovery_interval_s (each A record is a replica: a headless Service, Compose's service name). Placement picks
+    # one per session (gateway/placement.py); a session moves to another when its replica goes away.
+    verifier_addr: str = "127.0.0.1:50061"
+    draft_addr: str = "127.0.0.1:50062"   # "" = no draft service (target-only); dns:///NAME:PORT as above
+    discovery_interval_s: float = 5.0      # re-resolve dns:/// addresses this often
+    max_failovers: int = 3                 # times one stream's verifier session may move to another replica
+    placement: str = "prefix"              # new sessions: "prefix" (prompt prefix, then load), "least_loaded",
+                                           # "round_robin" (gateway/placement.py)
     tokenizer: str = ""                    # model reference for the tokenizer; "" = the verifier's model
     num_draft_tokens: int = 4              # default draft length per round
     adaptive_draft_length: bool = True     # pick k per round from acceptance and measured costs (<= the request's)

@@ -25,6 +25,11 @@ SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
+    # Connections are recycled (GOAWAY, then the client reconnects) every ~5 min (gRPC adds +-10% jitter), so a
+    # client behind a ClusterIP Service or load balancer spreads over replicas added since it connected. Calls in
+    # flight get 10 min to finish (a long stream is not cut); sessions live in the engine, not the connection.
+    ("grpc.max_connection_age_ms", 300_000),
+    ("grpc.max_connection_age_grace_ms", 600_000),
 ]
 
 

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from draft_service.engine import DraftEngine
 from draft_service.server import build_draft
+from gateway.discovery import Resolver, resolve_dns
 from gateway.server import build_gateway
 from specmesh.config import DraftConfig, EngineConfig, GatewayConfig, VerifierConfig
 from specmesh.grpc_server import ServiceServer
@@ -58,12 +59,13 @@ async def start_draft(model: str = "tiny-draft", draft_ahead: bool = True, head_
     return Running(server, await server.start("127.0.0.1", 0), eng)
 
 
-async def start_gateway(verifier_addr: str, draft_addr: str, **overrides: object) -> Running:
+async def start_gateway(verifier_addr: str, draft_addr: str, resolver: Resolver = resolve_dns,
+                        **overrides: object) -> Running:
     # Tests measure the draft service alone unless they opt into the cache / n-gram tiers (tests/test_tiers.py).
     # Fixed draft lengths too, unless a test opts into the adaptive controller.
     overrides = {"enable_cache": False, "enable_ngram": False, "adaptive_draft_length": False, **overrides}
     config = GatewayConfig(port=0, verifier_addr=verifier_addr, draft_addr=draft_addr, **overrides)
-    server = await build_gateway(config, wait_for_verifier_s=30)
+    server = await build_gateway(config, wait_for_verifier_s=30, resolver=resolver)
     return Running(server, await server.start("127.0.0.1", 0))
 
 

@@ -12,6 +12,7 @@ import pytest_asyncio
 
 from gateway.cleanup import backoff_s, end_until_done
 from gateway.health import VerifierWatch
+from gateway.replicas import VerifierPool
 from protos.specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specmesh.ended_sessions import EndedSessions
 from tests.stack import Running, start_draft
@@ -156,7 +157,8 @@ async def test_a_hung_verifier_is_not_serving_within_the_documented_time(interva
     async def on_change(serving: bool) -> None:
         changes.append((clock.now, serving))
 
-    watch = VerifierWatch([verifier], ["v"], on_change, interval_s, timeout_s, failures, sleep=clock.sleep)
+    watch = VerifierWatch(VerifierPool.of_stubs([verifier], ["v"]), on_change, interval_s, timeout_s, failures,  # type: ignore[list-item]
+                          sleep=clock.sleep)
     task = asyncio.ensure_future(watch._run())
     try:
         while clock.now < 3 * interval_s:            # healthy for a while: no change
@@ -202,8 +204,11 @@ async def test_a_generation_ends_its_verifier_session_after_failures() -> None:
 
     verifier = FlakyVerifier()
     params = GenerationParams("r", [1, 2], SamplingParams(), 4, (), 0, True)
-    generation = Generation(params, "r-1234", [verifier], None, 10.0)   # type: ignore[list-item]
-    generation.owner_token = "tok"
+    pool = VerifierPool.of_stubs([verifier])   # type: ignore[list-item]
+    generation = Generation(params, "r-1234", pool, None, 10.0)
+    replica = pool.all()[0]
+    replica.num_opened += 1                                  # as StartSession on it answered "tok"
+    generation.session.replica, generation.session.owner_token = replica, "tok"
     await generation.close()
     assert len(verifier.requests) == 3
     assert {(r.session_id, r.owner_token) for r in verifier.requests} == {("r-1234", "tok")}

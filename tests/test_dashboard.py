@@ -44,10 +44,14 @@ def dashboard_queries() -> list[tuple[str, str]]:
 
 
 def scrape_service_labels() -> set[str]:
-    """The `service` label values deploy/prometheus.yml attaches to the specmesh scrape jobs."""
+    """The `service` label values deploy/prometheus.yml attaches to the specmesh scrape jobs (a static target's
+    labels, or a relabel rule of a job that finds its replicas through DNS)."""
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
-    return {static["labels"]["service"] for job in config["scrape_configs"] for static in job["static_configs"]
-            if "service" in static.get("labels", {})}
+    jobs = config["scrape_configs"]
+    static = {c["labels"]["service"] for job in jobs for c in job.get("static_configs", [])
+              if "service" in c.get("labels", {})}
+    return static | {r["replacement"] for job in jobs for r in job.get("relabel_configs", [])
+                     if r.get("target_label") == "service"}
 
 
 def exported_names(text: str) -> set[str]:

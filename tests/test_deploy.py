@@ -48,7 +48,9 @@ def _check_env_names(env: dict[str, str], where: str) -> None:
 def test_compose_env_ports_and_health_checks_match_the_code() -> None:
     services = _compose()["services"]
     prometheus = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
-    targets = {t for job in prometheus["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
+    targets = {t for job in prometheus["scrape_configs"] for c in job.get("static_configs", []) for t in c["targets"]}
+    targets |= {f"{n}:{c['port']}" for job in prometheus["scrape_configs"] for c in job.get("dns_sd_configs", [])
+                for n in c["names"]}                                 # every replica of a scaled service
     for name, prefix in SERVICES.items():
         svc = services[name]
         env = svc["environment"]
@@ -60,7 +62,7 @@ def test_compose_env_ports_and_health_checks_match_the_code() -> None:
     gateway = services["gateway"]["environment"]
     for name in ("verifier", "draft"):
         port = services[name]["environment"][f"SPECMESH_{name.upper()}_PORT"]
-        assert gateway[f"SPECMESH_GATEWAY_{name.upper()}_ADDR"] == f"{name}:{port}"
+        assert gateway[f"SPECMESH_GATEWAY_{name.upper()}_ADDR"] == f"dns:///{name}:{port}"   # every replica
 
 
 def test_compose_tls_overlay_uses_real_settings_and_the_certificates_make_certs_writes() -> None:
@@ -148,6 +150,20 @@ def test_k8s_probes_and_graceful_termination() -> None:
     hpa = next(d for d in docs if d["kind"] == "HorizontalPodAutoscaler")
     assert hpa["spec"]["scaleTargetRef"]["name"] == "specmesh-verifier"
     assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "specmesh_verifier_queue_length"
+
+
+def test_k8s_gateway_discovers_replicas_through_headless_services() -> None:
+    from gateway.discovery import parse_addrs
+    docs = _k8s_docs()
+    config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]
+    services = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "Service"}
+    for name in ("verifier", "draft"):
+        (entry,) = parse_addrs(config[f"SPECMESH_GATEWAY_{name.upper()}_ADDR"], name)
+        host, port = entry.host_port
+        assert entry.dynamic, f"{name}: a fixed address reaches one pod only"
+        spec = services[host]
+        assert spec["clusterIP"] == "None" and spec["selector"]["app.kubernetes.io/name"] == f"specmesh-{name}"
+        assert [p["port"] for p in spec["ports"]] == [port]
 
 
 async def _healthcheck(addr: str) -> tuple[int, str]:

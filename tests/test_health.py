@@ -13,7 +13,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.health import VerifierWatch
 from gateway.openai_http import ServedModel, start_openai_http
+from gateway.replicas import VerifierPool
 from gateway.server import SERVICE_NAME
+from protos.specmesh.v1 import verifier_pb2
 from specmesh.config import EngineConfig, VerifierConfig
 from tests.stack import Running, start_gateway, start_verifier
 from verifier_service.server import build_verifier
@@ -76,7 +78,7 @@ class FakeVerifier:
         if not self.up:
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                        "connection refused")
-        return object()
+        return verifier_pb2.ModelInfo()
 
 
 @pytest.mark.parametrize("failures_to_down", [1, 2])
@@ -87,7 +89,8 @@ async def test_watch_needs_every_replica_down_and_consecutive_failures(failures_
         changes.append(serving)
 
     replicas = [FakeVerifier(), FakeVerifier()]
-    watch = VerifierWatch(replicas, ["a", "b"], record, failures_to_down=failures_to_down)
+    pool = VerifierPool.of_stubs(replicas)  # type: ignore[arg-type]
+    watch = VerifierWatch(pool, record, failures_to_down=failures_to_down)
     replicas[0].up = False
     for _ in range(3):
         assert await watch.probe_once() is True              # one replica still answers
@@ -99,3 +102,30 @@ async def test_watch_needs_every_replica_down_and_consecutive_failures(failures_
     replicas[1].up = True
     assert await watch.probe_once() is True                  # one answer is enough to serve again
     assert changes == [False, True]
+
+
+class FakeChannel:
+    closed = False
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_removed_replica_is_probed_while_sessions_are_pinned_to_it() -> None:
+    async def ignore(serving: bool) -> None:
+        pass
+
+    fakes = {"a": FakeVerifier(), "b": FakeVerifier()}
+    channels = {"a": FakeChannel(), "b": FakeChannel()}
+    pool = VerifierPool(lambda addr: (fakes[addr], channels[addr]), ["a", "b"])  # type: ignore[arg-type,return-value]
+    watch = VerifierWatch(pool, ignore, failures_to_down=1)
+    replica = pool.replicas["a"]
+    replica.num_opened = 1                                   # a session pinned to it
+    pool.set_addrs(["b"])                                    # a left discovery: no new sessions there
+    assert [r.addr for r in pool.order([1, 2])] == ["b"] and not channels["a"].closed
+    fakes["a"].up = False
+    await watch.probe_once()
+    assert replica.lost.is_set()                             # it froze: its waiting Verify moves
+    replica.release()                                        # the session moved; nothing is pinned to it now
+    await asyncio.sleep(0)
+    assert channels["a"].closed and pool.probed() == [pool.replicas["b"]]

@@ -56,14 +56,14 @@ async def test_renewals_follow_the_lease_on_a_virtual_clock() -> None:
         await asyncio.sleep(0)
 
     verifier = CountingVerifier(lease_s=6.0)
-    generation = types.SimpleNamespace(verifier=verifier, session_id="sid", owner_token="", verifier_lease_s=0.0,
-                                       drafter=None)
+    session = types.SimpleNamespace(replica=types.SimpleNamespace(stub=verifier), owner_token="", lease_s=0.0)
+    generation = types.SimpleNamespace(session=session, session_id="sid", drafter=None)
     keepalive = SessionKeepAlive(generation, sleep=sleep, clock=lambda: now[0])   # type: ignore[arg-type]
     keepalive.start()
     while now[0] < 30.0:                              # no session yet: nothing to renew
         await asyncio.sleep(0)
     assert verifier.calls == 0
-    generation.owner_token, generation.verifier_lease_s = "tok", 6.0   # StartSession answered
+    session.owner_token, session.lease_s = "tok", 6.0               # StartSession answered
     start = now[0]
     while now[0] < start + 20.0:
         await asyncio.sleep(0)

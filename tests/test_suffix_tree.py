@@ -5,14 +5,13 @@ the per-round choice between proposers."""
 from __future__ import annotations
 
 from collections import Counter
-from types import SimpleNamespace
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.draft_link import DraftLink
-from gateway.drafters import Draft
+from gateway.drafters import Draft, VerifiedTokens
 from gateway.suffix_choice import GLOBAL, LOCAL, MODEL, NONE, PROBE_BUDGET, PROBE_EVERY, ProposerChoice, depths
 from gateway.suffix_drafter import with_branches
 from gateway.suffix_index import ContextIndex
@@ -207,7 +206,7 @@ class _BackingOffModel:
     def skip_rounds(self) -> int:
         return self.link.backoff_rounds
 
-    async def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
+    async def propose(self, context_ids: list[int], num_tokens: int, room: int | None = None) -> Draft:
         self.num_calls += 1
         return Draft([7] * num_tokens, None, common_pb2.DRAFT_SOURCE_MODEL)
 
@@ -217,11 +216,11 @@ async def test_suffix_drafting_gives_the_model_back_after_a_draft_link_backoff()
     service failure left the rest of the request undrafted (seen as 30 target-only rounds on a code prompt)."""
     model = _BackingOffModel(backoff_rounds=3)
     tiers = DraftTiers(TierSettings(vocab_size=512, suffix_drafting=True), None)
-    drafter = tiers.drafter(SimpleNamespace(prompt_ids=[1, 2, 3], max_new_tokens=64), model, "t")  # type: ignore
+    drafter = tiers.drafter(model, "t")  # type: ignore[arg-type]
     for _ in range(3):
-        assert not (await drafter.propose([1, 2, 3, 9], 4)).token_ids
+        assert not (await drafter.propose([1, 2, 3, 9], 4, 62)).token_ids
     assert model.num_calls == 0 and model.skip_rounds == 0
-    draft = await drafter.propose([1, 2, 3, 9], 4)
+    draft = await drafter.propose([1, 2, 3, 9], 4, 62)
     assert model.num_calls == 1 and draft.token_ids == [7, 7, 7, 7]
 
 
@@ -233,7 +232,7 @@ class _TreeModel(_BackingOffModel):
         super().__init__(backoff_rounds=0)
         self.tree_width, self.tree_pricing = 1, None
 
-    async def propose(self, context_ids: list[int], num_tokens: int) -> Draft:
+    async def propose(self, context_ids: list[int], num_tokens: int, room: int | None = None) -> Draft:
         self.num_calls += 1
         return Draft([7, 8, 9, 5], None, common_pb2.DRAFT_SOURCE_MODEL, [-1, 0, 1, 0])
 
@@ -243,18 +242,18 @@ async def test_the_choice_learns_the_models_chain_and_its_tree_alternatives_apar
     rejected chain token (acceptance diluted); and with no adaptive draft length its width went unpriced."""
     model = _TreeModel()
     tiers = DraftTiers(TierSettings(vocab_size=512, suffix_drafting=True), None)
-    drafter = tiers.drafter(SimpleNamespace(prompt_ids=[1, 2, 3], max_new_tokens=64), model, "t")  # type: ignore
+    drafter = tiers.drafter(model, "t")  # type: ignore[arg-type]
     assert model.tree_pricing == drafter.choice.model.tree_width       # the suffix drafter prices the width
     output: list[int] = []
     for i in range(8):                                                 # the whole chain is accepted every time
-        draft = await drafter.propose([1, 2, 3, *output], 4)
+        draft = await drafter.propose([1, 2, 3, *output], 4, 63 - len(output))
         assert draft.parents == [-1, 0, 1, 0]
         output += [7, 8, 9, 100 + i]                                   # the chain, then the target's own token
-        drafter.observe(draft, 3, list(output), cost=VerifyCost(0.4))
+        drafter.observe(draft, 3, VerifiedTokens([1, 2, 3], list(output)), cost=VerifyCost(0.4))
     assert drafter.choice.model.acceptance() > 0.9
     missed = drafter.choice.model.alternative_hit_rate()
     assert missed < 0.15                                               # the alternative never hit (prior: 0.2)
-    draft = await drafter.propose([1, 2, 3, *output], 4)
+    draft = await drafter.propose([1, 2, 3, *output], 4, 63 - len(output))
     output += [7, 5, 200]                                              # now it did: 7, then the alternative 5
-    drafter.observe(draft, 2, list(output), cost=VerifyCost(0.4))
+    drafter.observe(draft, 2, VerifiedTokens([1, 2, 3], list(output)), cost=VerifyCost(0.4))
     assert drafter.choice.model.alternative_hit_rate() > missed

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from draft_service.server import build_draft
 from gateway.health import VerifierWatch
+from gateway.replicas import VerifierPool
 from protos.specmesh.v1 import common_pb2, generate_pb2_grpc, verifier_pb2_grpc
 from specmesh import cli, client
 from specmesh.channels import internal_channel
@@ -153,11 +154,11 @@ async def test_idle_health_probes_make_no_spans_while_a_request_still_makes_its_
     memory.clear()
     channel = internal_channel(stack["verifier"].addr)       # intercepted, as the gateway's own channels
     try:
-        watch = VerifierWatch([verifier_pb2_grpc.VerifierStub(channel)], [stack["verifier"].addr], _ignore,
-                              timeout_s=60.0)                # a loaded machine must not turn a probe into a failure
+        pool = VerifierPool.of_stubs([verifier_pb2_grpc.VerifierStub(channel)], [stack["verifier"].addr])
+        watch = VerifierWatch(pool, _ignore, timeout_s=60.0)   # a loaded machine must not turn a probe into a failure
         for _ in range(5):                    # five seconds of an idle gateway's probing, without the waits
             await watch.probe_once()
-        assert watch.failures == [0]
+        assert list(watch.failures.values()) == [0]
     finally:
         await channel.close()
     # (other tests' asynchronous EndSession calls may still end now: only the probes' own spans are looked for)

@@ -89,7 +89,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                            token_cost=result.cost.token_cost,
                                            free_tokens=result.cost.free_tokens,
                                            num_other_rows=result.num_other_rows,
-                                           num_other_tokens=result.num_other_tokens)
+                                           num_other_tokens=result.num_other_tokens,
+                                           num_sessions=len(self.engine.sessions),
+                                           num_free_kv_blocks=self.engine.block_manager.num_free_blocks,
+                                           draining=self.engine.draining)
 
     async def EndSession(self, request: common_pb2.EndSessionRequest,
                          context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:
@@ -114,7 +117,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                       block_size=bm.block_size, num_kv_blocks=bm.num_blocks,
                                       num_free_kv_blocks=bm.num_free_blocks,
                                       num_sessions=len(self.engine.sessions),
-                                      num_waiting=self.engine.scheduler.num_waiting)
+                                      num_waiting=self.engine.scheduler.num_waiting,
+                                      draining=self.engine.draining)
 
 
 def _tree_parents(draft_parents: Sequence[int], num_drafts: int) -> list[int] | None:

@@ -42,6 +42,9 @@ class GatewayMetrics:
         self.prompt_tokens = Counter("specmesh_prompt_tokens",
                                      "Prompt tokens of the requests that started generating (after the chat template)",
                                      registry=r)
+        self.prompt_cached_tokens = Counter("specmesh_prompt_cached_tokens",
+                                            "Prompt tokens whose KV the verifier replica already held (prefix cache "
+                                            "hits at StartSession)", registry=r)
         self.generation_tokens = Counter("specmesh_generation_tokens", "Tokens returned to clients", registry=r)
         self.requests = Counter("specmesh_requests", "Finished requests by finish reason", ["finish_reason"],
                                 registry=r)
@@ -65,6 +68,10 @@ class GatewayMetrics:
         self.tenant_refusals = Counter("specmesh_tenant_refusals", "Requests refused by their tenant's quota "
                                        "(gateway/quotas.py), by tenant and limit", ["tenant", "limit"], registry=r)
         self.tenant_streams = Gauge("specmesh_tenant_streams", "Generations open per tenant", ["tenant"], registry=r)
+        self.failovers = Counter("specmesh_gateway_failovers",
+                                 "Streams whose verifier session moved to another replica mid-stream, by reason "
+                                 "(unavailable, lost: health or discovery, draining) and outcome (moved, failed)",
+                                 ["reason", "outcome"], registry=r)
 
     def observe_round(self, num_drafted: int, num_accepted: int, source: str) -> None:
         self.draft_length.observe(num_drafted)
