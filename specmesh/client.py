@@ -15,7 +15,9 @@ def make_request(prompt: str = "", *, messages: Sequence[tuple[str, str]] = (), 
                  ignore_eos: bool = False, min_p: float = 0.0, repetition_penalty: float = 0.0,
                  logit_bias: dict[int, float] | None = None) -> generate_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                         repetition_penalty=repetition_penalty, logit_bias=logit_bias or {})
+                                         # 1 = off, sent as the field's default 0 (also off), as proto_convert does
+                                         repetition_penalty=0.0 if repetition_penalty == 1.0 else repetition_penalty,
+                                         logit_bias=logit_bias or {})
     if seed is not None:
         sampling.seed = seed
     request = generate_pb2.GenerateRequest(
