@@ -13,7 +13,7 @@ import pytest_asyncio
 from gateway.cleanup import backoff_s, end_until_done
 from gateway.health import VerifierWatch
 from gateway.replicas import VerifierPool
-from protos.specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from protos.specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verifier_pb2
 from specmesh.ended_sessions import EndedSessions
 from tests.stack import Running, start_draft
 
@@ -140,9 +140,9 @@ class HangingVerifier:
         self.clock = clock
         self.up = True
 
-    async def GetModelInfo(self, request: object, timeout: float) -> object:  # noqa: N802 - the gRPC name
+    async def GetModelInfo(self, request: object, timeout: float) -> verifier_pb2.ModelInfo:  # noqa: N802
         if self.up:
-            return object()
+            return verifier_pb2.ModelInfo()
         await self.clock.sleep(timeout)
         raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED)
 

@@ -13,7 +13,9 @@ import pytest
 import pytest_asyncio
 
 from draft_service.server import build_draft
+from gateway.draft_pool import DraftPool
 from gateway.keepalive import SessionKeepAlive, keepalive_interval_s, model_drafter_of
+from gateway.replicas import VerifierPool
 from gateway.server import load_tokenizer
 from gateway.servicer import GenerationServicer, ModelInfo
 from gateway.upstream_errors import public_details
@@ -111,7 +113,8 @@ async def leased():
     config = GatewayConfig(adaptive_draft_length=False, enable_cache=False, enable_ngram=False)
     servicer = GenerationServicer(config, load_tokenizer("tiny-target", ""),
                                   ModelInfo(info.model_name, info.max_model_len, frozenset(info.eos_token_ids)),
-                                  [v_stub], draft_pb2_grpc.DraftStub(d_channel))
+                                  VerifierPool.of_stubs([v_stub]),
+                                  DraftPool(lambda _addr: (draft_pb2_grpc.DraftStub(d_channel), None), ["draft"]))
     yield servicer, verifier, draft
     await v_channel.close()
     await d_channel.close()

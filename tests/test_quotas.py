@@ -19,6 +19,7 @@ from gateway.quotas import (
     parse_tenant_limits,
     retry_after_header,
 )
+from gateway.replicas import VerifierPool
 from gateway.server import load_tokenizer
 from gateway.servicer import GenerationServicer, ModelInfo
 from protos.specmesh.v1 import common_pb2, generate_pb2_grpc, verifier_pb2, verifier_pb2_grpc
@@ -160,7 +161,7 @@ async def test_one_key_over_its_stream_limit_does_not_stop_another(verifier: Run
     config = GatewayConfig(api_keys=KEYS, enable_cache=False, enable_ngram=False, adaptive_draft_length=False)
     servicer = GenerationServicer(config, load_tokenizer("tiny-target", ""),
                                   ModelInfo(info.model_name, info.max_model_len, frozenset(info.eos_token_ids)),
-                                  [stub], None)
+                                  VerifierPool.of_stubs([stub]), None)
     request = client.make_request(PROMPT, max_new_tokens=40, ignore_eos=True)
     paused = [servicer._run(request, Context("key-a")) for _ in range(2)]
     try:
