@@ -128,7 +128,7 @@ class GatewayConfig:
     # Verifier replicas: comma-separated host:port, and/or dns:///NAME:PORT entries re-resolved every
     # discovery_interval_s (each A record is a replica: a headless Service, Compose's service name). Placement picks
     # one per session (gateway/placement.py); a session moves to another when its replica goes away.
-    verifier_addr: str = "127.0.0.1:50061"
+    verifier_addr: str = "127.0.0.1:50061"  # replicas: comma-separated host:port and/or dns:///NAME:PORT entries
     draft_addr: str = "127.0.0.1:50062"   # "" = no draft service (target-only); dns:///NAME:PORT as above
     discovery_interval_s: float = 5.0      # re-resolve dns:/// addresses this often
     max_failovers: int = 3                 # times one stream's verifier session may move to another replica

@@ -39,7 +39,7 @@ def test_gateway_help_in_a_subprocess_gives_meaning_and_default() -> None:
     out = subprocess.run([sys.executable, "-m", "gateway", "--help"], capture_output=True, text=True,
                          timeout=120).stdout
     text = " ".join(out.split())
-    assert "--verifier-addr" in text and "a session starts on the first that takes it" in text
+    assert "--verifier-addr" in text and "comma-separated host:port and/or dns:///NAME:PORT" in text
     assert "(env SPECMESH_GATEWAY_VERIFIER_ADDR; default \"127.0.0.1:50061\")" in text
     assert "--enable-cache 0|1" in text and "(env SPECMESH_GATEWAY_ENABLE_CACHE; default 1)" in text
 
