@@ -97,6 +97,16 @@ def _post(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         return json.loads(response.read())
 
 
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 20 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_healthy(base_url: str, proc: subprocess.Popen[bytes], timeout_s: float = START_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -149,12 +159,7 @@ def run_config(server: str, pair: tuple[Path, Path], config: str, threads: int, 
                     + (f" drafted {r.draft_n} accepted {r.draft_n_accepted}" if config == "spec" else "")
                     + (f" ERROR {r.error}" if r.error else ""))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
     return runs
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bench.common import free_port_block, log
-from bench.llamacpp_peer import GGUF_FILES, wait_healthy
+from bench.llamacpp_peer import GGUF_FILES, stop_server, wait_healthy
 from specmesh.models import default_cache_dir
 
 SERVER_ENV = "SPECMESH_LLAMA_SERVER"
@@ -60,9 +60,4 @@ def running_server(server: str, gguf: Path, threads: int, cpus: str = "") -> Ite
         wait_healthy(base_url, proc)
         yield base_url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
