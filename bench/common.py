@@ -162,15 +162,17 @@ def free_port_block(count: int = 3) -> int:
 
 
 @contextmanager
-def stack_addr(args: argparse.Namespace) -> Iterator[str]:
-    """The gateway address: `--addr`, or a stack started for the duration of the block."""
+def stack_addr(args: argparse.Namespace, taskset: dict[str, str] | None = None) -> Iterator[str]:
+    """The gateway address: `--addr`, or a stack started for the duration of the block (`taskset`: service -> cpu
+    list each one is pinned to, as StackConfig.taskset)."""
     if not args.start_stack:
         yield args.addr
         return
     target, draft = PRESETS[args.preset]
     base = args.port or free_port_block()
     stack = Stack(StackConfig(target=target, draft=draft, gateway_port=base, verifier_port=base + 1,
-                              draft_port=base + 2, num_threads=args.threads, extra_env=parse_env(args.env)))
+                              draft_port=base + 2, num_threads=args.threads, extra_env=parse_env(args.env),
+                              taskset=taskset or {}))
     log(f"starting {args.preset} stack ({target} + {draft}) on ports {base}..{base + 2}")
     started = time.perf_counter()
     stack.start()

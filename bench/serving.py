@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from transformers import AutoTokenizer
@@ -27,20 +27,19 @@ from transformers import AutoTokenizer
 from bench.common import (
     add_stack_args,
     add_workload_args,
-    free_port_block,
     load_workload,
     log,
-    parse_env,
     pyplot,
     result_paths,
     run_metadata,
     split_csv,
+    stack_addr,
     write_json,
 )
 from bench.serving_clients import grpc_sender, http_sender, percentile, run_open_loop, summarize
 from bench.serving_mix import TrafficRequest, arrivals, build_traffic
 from bench.serving_peer import find_server, running_server, target_gguf
-from specmesh.launcher import PRESETS, Stack, StackConfig
+from specmesh.launcher import PRESETS
 from specmesh.models import resolve_model_dir
 
 STACK_CONFIGS = {"target": 0, "spec": None}      # num_draft_tokens per request: 0 = target-only, None = defaults
@@ -71,24 +70,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-@contextlib.contextmanager
-def stack(args: argparse.Namespace) -> Iterator[str]:
-    """The gateway address: `--addr`, or a stack started for the block (pinned to --cpus)."""
-    if not args.start_stack:
-        yield args.addr
-        return
-    target, draft = PRESETS[args.preset]
-    base = args.port or free_port_block()
-    pins = dict.fromkeys(("verifier", "draft", "gateway"), args.cpus) if args.cpus else {}
-    running = Stack(StackConfig(target=target, draft=draft, gateway_port=base, verifier_port=base + 1,
-                                draft_port=base + 2, num_threads=args.threads, extra_env=parse_env(args.env),
-                                taskset=pins))
-    log(f"starting {args.preset} stack ({target} + {draft}) on ports {base}..{base + 2}")
-    running.start()
-    try:
-        yield running.config.gateway_addr
-    finally:
-        running.stop()
+def stack(args: argparse.Namespace) -> contextlib.AbstractContextManager[str]:
+    """The gateway address: `--addr`, or a stack started for the block (every service pinned to --cpus)."""
+    return stack_addr(args, dict.fromkeys(("verifier", "draft", "gateway"), args.cpus) if args.cpus else None)
 
 
 async def run_configs(senders: dict[str, tuple[Any, Any]], traffic: list[TrafficRequest], rates: list[float],
