@@ -77,7 +77,8 @@ def build_traffic(count: int, seed: int, tokenizer: Any, chats: Sequence[Prompt]
                   lengths: Sequence[tuple[int, int]] | None = None) -> list[TrafficRequest]:
     rng = random.Random(seed)
     pool = list(lengths if lengths is not None else load_lengths())
-    sized = sorted((len(tokenizer(p.prompt, add_special_tokens=False)["input_ids"]), p) for p in chats)
+    sized = sorted(((len(tokenizer(p.prompt, add_special_tokens=False)["input_ids"]), p) for p in chats),
+                   key=lambda item: item[0])       # by length only: Prompts do not order (equal lengths happen)
     longest_chat = sized[-1][0]
     documents: list[int] = []
     out = []
