@@ -19,10 +19,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.common import DEFAULT_WORKLOAD
 from specmesh import client
 from specmesh.launcher import PRESETS, Stack, StackConfig
 
-WORKLOAD = Path(__file__).resolve().parent / "workload.jsonl"
+WORKLOAD = Path(DEFAULT_WORKLOAD)
 FALLBACK_PROMPTS = ["The quick brown fox", "def fibonacci(n):\n    return", "Once upon a time, in a city on a hill"]
 
 

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bench.common import DEFAULT_WORKLOAD
+
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 warnings.filterwarnings("ignore", category=UserWarning)
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -312,8 +314,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Cost and batch invariance of verifier numerics (report script).")
     p.add_argument("--model", default="qwen2.5-coder-1.5b", help="model reference for specmesh.models.load_model")
     p.add_argument("--synthetic", action="store_true", help="only Linear-level tables with random weights")
-    p.add_argument("--workload", default=str(Path(__file__).resolve().parent / "workload.jsonl"),
-                   help="workload JSONL whose prompts give the model-level test its text (default: %(default)s)")
+    p.add_argument("--workload", default=DEFAULT_WORKLOAD, help="JSONL whose prompts give the model-level text")
     p.add_argument("--windows", type=int, default=2, help="16-token windows for the model-level invariance test")
     p.add_argument("--rows", type=int, default=320, help="inputs for the Linear-level invariance test")
     p.add_argument("--reps", type=int, default=3)
