@@ -1,0 +1,136 @@
+"""A long prompt beside a decoding stream: how long does the stream stall, and how much later is the prompt's first
+token than alone? (issue 27's scenario, on a real stack)
+
+    python -m bench.stall --start-stack --preset qwen --cpus-verifier 0 --cpus-draft 1
+    python -m bench.stall --start-stack --preset tiny --prompt-tokens 600 --stream-tokens 120     # smoke run
+
+Per configuration of the stream (`target`: num_draft_tokens 0; `spec`: the gateway's defaults):
+1. alone: a document prompt of --prompt-tokens (max_tokens 1) with nothing else running: its TTFT;
+2. beside: a stream decodes; after --warm-messages messages another document prompt of the same length (other
+   text, so the prefix cache serves neither) arrives; the stream's median gap before it arrived, its longest gap
+   while the prompt prefilled (send -> the prompt's first token), and the prompt's TTFT.
+Goals (issue 27): longest gap <= 3x the median gap, TTFT beside <= 1.5x TTFT alone. The verifier's step bound is
+its own setting (SPECMESH_VERIFIER_STEP_COST_FACTOR, passed with --env; the stack's default otherwise).
+Writes bench/results/<name>-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from bench.common import add_stack_args, log, result_paths, run_metadata, split_csv, stack_addr, write_json
+from bench.serving_clients import StreamResult, grpc_sender
+from bench.serving_mix import SUMMARIZE, TrafficRequest, document_ids, document_text
+from specmesh.launcher import PRESETS
+from specmesh.models import resolve_model_dir
+
+STREAM_K = {"target": 0, "spec": None}          # num_draft_tokens of the stream: 0 = target-only, None = defaults
+STREAM_PROMPT = "Write a detailed, step-by-step tutorial on binary search trees in Python, with code."
+MAX_GAP_RATIO, MAX_TTFT_RATIO = 3.0, 1.5
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_stack_args(p)
+    p.add_argument("--configs", default="spec,target", help=f"stream configurations, of {', '.join(STREAM_K)}")
+    p.add_argument("--prompt-tokens", type=int, default=3900, help="the long prompt's document tokens")
+    p.add_argument("--stream-tokens", type=int, default=2000, help="the stream's max_tokens (it is cut when done)")
+    p.add_argument("--warm-messages", type=int, default=40, help="stream messages before the long prompt arrives")
+    p.add_argument("--cpus-verifier", default="", help="taskset -c list of the verifier ('' = unpinned)")
+    p.add_argument("--cpus-draft", default="", help="taskset -c list of the draft service and the gateway")
+    p.add_argument("--seed", type=int, default=0, help="picks the documents' offsets")
+    p.add_argument("--name", default="")
+    return p.parse_args(argv)
+
+
+def documents(args: argparse.Namespace, count: int) -> list[TrafficRequest]:
+    """`count` prompts of --prompt-tokens README tokens from distinct seeded offsets, ending in a summarize ask."""
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(PRESETS[args.preset][0]))
+    ids, rng = document_ids(tokenizer), random.Random(args.seed)
+    return [TrafficRequest(f"doc-{i}", "document", [("user", document_text(tokenizer, ids, args.prompt_tokens, rng)
+                                                      + SUMMARIZE)], args.prompt_tokens, 1) for i in range(count)]
+
+
+async def ttft_alone(send: Any, doc: TrafficRequest) -> float:
+    result = StreamResult(doc.id, doc.kind, "alone", 0.0, 1)
+    await send(doc, result)
+    if result.error:
+        raise RuntimeError(f"the prompt alone failed: {result.error}")
+    return result.ttft_s
+
+
+async def beside(send: Any, doc: TrafficRequest, args: argparse.Namespace, config: str) -> dict[str, Any]:
+    """The stream, the prompt sent after --warm-messages of its messages; the gaps and TTFT measured."""
+    stream = StreamResult("stream", "chat", config, 0.0, args.stream_tokens)
+    request = TrafficRequest("stream", "chat", [("user", STREAM_PROMPT)], 0, args.stream_tokens)
+    stream_sent = time.perf_counter()      # the sender's own clock starts within a millisecond of this
+    task = asyncio.ensure_future(send(request, stream))
+    while len(stream.messages) < args.warm_messages and not task.done():
+        await asyncio.sleep(0.005)
+    arrived = len(stream.messages)
+    prompt = StreamResult(doc.id, doc.kind, config, 0.0, 1)
+    sent = time.perf_counter()
+    await send(doc, prompt)
+    done_at = time.perf_counter()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    before = [g for g, _ in stream.gaps()[: max(0, arrived - 1)]]
+    window = (sent - stream_sent, done_at - stream_sent)                       # on the stream's clock
+    times = [t for t, _ in stream.messages]
+    during = [b - a for a, b in zip(times, times[1:], strict=False) if b > window[0] and a < window[1]]
+    return {"ttft_s": prompt.ttft_s, "error": prompt.error or stream.error, "median_gap_s": statistics.median(before),
+            "longest_gap_s": max(during, default=0.0), "stream_messages_during": len(during),
+            "stream_tokens_per_message": stream.completion_tokens / max(1, len(stream.messages))}
+
+
+async def run(addr: str, args: argparse.Namespace, docs: list[TrafficRequest]) -> list[dict[str, Any]]:
+    rows = []
+    for i, config in enumerate(split_csv(args.configs)):
+        send, close = grpc_sender(addr, STREAM_K[config])
+        try:
+            await ttft_alone(send, docs[-1])                                   # warm-up (kernels, first forward)
+            alone = await ttft_alone(send, docs[2 * i])
+            row = {"config": config, "ttft_alone_s": alone, **await beside(send, docs[2 * i + 1], args, config)}
+        finally:
+            await close()
+        row["gap_ratio"] = row["longest_gap_s"] / row["median_gap_s"]
+        row["ttft_ratio"] = row["ttft_s"] / alone
+        row["goals"] = {"gap": row["gap_ratio"] <= MAX_GAP_RATIO, "ttft": row["ttft_ratio"] <= MAX_TTFT_RATIO}
+        log(f"{config}: median gap {row['median_gap_s'] * 1e3:.0f} ms, longest while the prompt prefilled "
+            f"{row['longest_gap_s'] * 1e3:.0f} ms ({row['gap_ratio']:.1f}x, goal <= {MAX_GAP_RATIO}x); prompt TTFT "
+            f"{row['ttft_s']:.1f} s beside vs {alone:.1f} s alone ({row['ttft_ratio']:.2f}x, goal <= "
+            f"{MAX_TTFT_RATIO}x){'; ' + row['error'] if row['error'] else ''}")
+        rows.append(row)
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    unknown = set(split_csv(args.configs)) - set(STREAM_K)
+    if unknown:
+        raise SystemExit(f"--configs: unknown {', '.join(sorted(unknown))}; choose from {', '.join(STREAM_K)}")
+    meta = run_metadata(args)
+    docs = documents(args, 2 * len(split_csv(args.configs)) + 1)
+    pins = {k: v for k, v in (("verifier", args.cpus_verifier), ("draft", args.cpus_draft),
+                              ("gateway", args.cpus_draft)) if v}
+    with stack_addr(args, pins or None) as addr:
+        rows = asyncio.run(run(addr, args, docs))
+    json_path, _ = result_paths(args.name or f"stall-{args.preset}")
+    write_json(json_path, {"meta": meta, "rows": rows})
+    return 0 if all(not r["error"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
