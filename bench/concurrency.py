@@ -44,7 +44,7 @@ from bench.common import (
     timed_request,
     write_json,
 )
-from specmesh.config import EngineConfig
+from specmesh.config import EngineConfig, GatewayConfig
 from specmesh.launcher import PRESETS
 from specmesh.models import resolve_model_dir
 
@@ -59,7 +59,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--streams", default="1,2,4,8", help="concurrency levels")
     p.add_argument("--num-requests", type=int, default=0, help="requests per level (0 = the largest level)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--num-draft-tokens", type=int, default=-1,
+                   help="speculative requests' draft length; -1 = unset, the gateway's defaults (as a client sends)")
     p.add_argument("--kv-budget-mb", type=int, default=EngineConfig().kv_cache_memory_mb)
     p.add_argument("--block-size", type=int, default=EngineConfig().block_size)
     p.add_argument("--max-model-len", type=int, default=0, help="contiguous allocation per sequence (0 = model's)")
@@ -76,7 +77,7 @@ async def run_level(addr: str, prompts: list[Prompt], streams: int, mode: str,
                     args: argparse.Namespace) -> tuple[float, list[RequestResult]]:
     """All prompts with at most `streams` in flight; returns (wall seconds, results in prompt order)."""
     gate = asyncio.Semaphore(streams)
-    draft = args.num_draft_tokens if mode == "spec" else 0
+    draft = (None if args.num_draft_tokens < 0 else args.num_draft_tokens) if mode == "spec" else 0
 
     async def one(prompt: Prompt) -> RequestResult:
         async with gate:
@@ -174,7 +175,8 @@ def kv_section(args: argparse.Namespace, prompts: list[Prompt], all_prompts: lis
         "model": target, "geometry": {**vars(geo), "budget_mb": args.kv_budget_mb},
         "num_sequences": len(seqs),
         "output_lengths": f"recorded ({args.outputs})" if outputs else f"max_new_tokens={max_new}",
-        "waste": kv.waste_report(seqs, geo, args.num_draft_tokens, accept_rate),
+        "waste": kv.waste_report(seqs, geo, max(args.num_draft_tokens, 0) or GatewayConfig().num_draft_tokens,
+                                 accept_rate),
         "capacity": kv.capacity_report(seqs, geo, max_new),
         "sharing": {"system_prompt": system, **kv.sharing_report(
             sessions, max_new, geo.block_size, counts)},
@@ -260,7 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = args.name or f"concurrency-{args.preset}"
     json_path, png_path = result_paths(name)
     write_json(json_path, {"meta": meta, "throughput": rows, "problems": problems, "kv": report})
-    title = f"{name}: {count} requests x {args.max_new_tokens} tokens, k={args.num_draft_tokens}, greedy, ignore_eos"
+    k = "defaults" if args.num_draft_tokens < 0 else args.num_draft_tokens
+    title = f"{name}: {count} requests x {args.max_new_tokens} tokens, k={k}, greedy, ignore_eos"
     plot(rows, report, png_path, title if rows else f"{name}: KV accounting ({report and report['output_lengths']})")
     if problems:
         print(f"!!! {len(problems)} problem(s): failed requests or greedy mismatches, see above", file=sys.stderr)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import statistics
 import sys
@@ -82,10 +83,8 @@ async def beside(send: Any, doc: TrafficRequest, args: argparse.Namespace, confi
     await send(doc, prompt)
     done_at = time.perf_counter()
     task.cancel()
-    try:
+    with contextlib.suppress(asyncio.CancelledError):
         await task
-    except asyncio.CancelledError:
-        pass
     before = [g for g, _ in stream.gaps()[: max(0, arrived - 1)]]
     window = (sent - stream_sent, done_at - stream_sent)                       # on the stream's clock
     times = [t for t, _ in stream.messages]
