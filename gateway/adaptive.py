@@ -281,12 +281,17 @@ class DraftLengthController:
 
     # ------------------------------------------------------------------ observations
     def observe(self, num_drafted: int, num_accepted: int, draft_s: float, verify_s: float,
-                rtt_s: float | None = None) -> None:
+                rtt_s: float | None = None, forward_ran: bool = True) -> None:
         """One finished round: tokens drafted/accepted, draft compute seconds (excluding the link RTT), verify
         seconds (as the round loop saw it), and the draft link's RTT if measured.
 
         With draft pipelining pass only the exposed part of the draft time and RTT (what the round actually
-        waited for beyond the verify); the model then prices hidden drafting at ~0 and picks longer blocks."""
+        waited for beyond the verify); the model then prices hidden drafting at ~0 and picks longer blocks.
+
+        forward_ran False: the verifier answered without a forward (tokens it had decoded ahead while idle settled
+        the verdict). Such a verify takes ~no time for tokens computed during earlier rounds' time, so it says nothing
+        about verify(k): it stays out of the verify line (fed to it, answers in ~0 s made k = 0 look nearly free and
+        held one stream at k = 0 for ~45% of its rounds on held-out prompts)."""
         if not 0 <= num_accepted <= num_drafted:
             raise ValueError(f"need 0 <= num_accepted <= num_drafted, got {num_accepted}, {num_drafted}")
         d = self.params.decay
@@ -299,7 +304,8 @@ class DraftLengthController:
         if num_drafted > 0:
             self._draft_time = d * self._draft_time + max(0.0, draft_s)
             self._draft_tokens = d * self._draft_tokens + num_drafted
-        self._verify.add(num_drafted, max(0.0, verify_s))
+        if forward_ran:
+            self._verify.add(num_drafted, max(0.0, verify_s))
         if rtt_s is not None:
             self._rtt = rtt_s if self._rtt is None else d * self._rtt + (1 - d) * rtt_s
         self.rounds += 1

@@ -66,7 +66,8 @@ class _NextDraft:
 
 def _observe_round(draft_length: DraftLengthController, event: RoundEvent, state: RequestState) -> None:
     draft_length.observe_verify_cost(event.cost)      # first: the round's verify time is priced with it (and load)
-    draft_length.observe(len(event.draft.token_ids), event.num_accepted, event.draft_s, event.verify_s)
+    draft_length.observe(len(event.draft.token_ids), event.num_accepted, event.draft_s, event.verify_s,
+                         forward_ran=event.cost.forward_rows > 0)
     if event.draft.parents is not None:
         alternatives = len(event.draft.token_ids) - main_chain_len(event.draft.parents, len(event.draft.token_ids))
         draft_length.observe_tree(alternatives, classify(event.draft, event.num_accepted,

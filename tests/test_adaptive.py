@@ -148,3 +148,32 @@ def test_tree_alternatives_are_priced_by_hits_per_node_against_the_round_rate() 
     widths = [never.tree_width(3) for _ in range(32)]
     assert widths.count(3) == 2 and widths.count(0) == 30                 # off, but probed every 16 rounds
     assert never.tree_width(0) == 0
+
+
+
+def _rounds_with_ahead(forward_ran_reported: bool) -> list[int]:
+    """One stream whose verifier decodes ahead while idle: a k = 0 round is answered from tokens already decoded,
+    in ~1 ms and with no forward; a drafted round runs a forward (0.1 s + 4 ms a token) and 80% of drafts hold.
+    The stream starts at k = 0 (as after a run of rejections); only probes draft. Returns each round's k."""
+    ctrl = DraftLengthController(min_k=0, max_k=4, initial_k=0)
+    rng = random.Random(1)
+    ks = []
+    for _ in range(300):
+        k = ctrl.next_k()
+        ks.append(k)
+        accepted = 0
+        while accepted < k and rng.random() < 0.8:
+            accepted += 1
+        forward = k > 0
+        ctrl.observe(k, accepted, draft_s=0.005 * k, verify_s=0.1 + 0.004 * k if forward else 0.001,
+                     forward_ran=forward or not forward_ran_reported)
+    return ks
+
+
+def test_verdicts_without_a_forward_do_not_price_verify() -> None:
+    """A verdict settled by tokens decoded ahead costs the round ~nothing but was paid for by earlier forwards: fed
+    to the verify line it makes k = 0 look free, and the stream stays target-only at 80% acceptance."""
+    biased = _rounds_with_ahead(forward_ran_reported=False)
+    assert sum(k > 0 for k in biased) < 0.1 * len(biased)                # the bias this guards against
+    ks = _rounds_with_ahead(forward_ran_reported=True)
+    assert sum(k == 4 for k in ks[50:]) > 0.9 * len(ks[50:])
