@@ -25,10 +25,18 @@ the bonus token):
 
 Time per round:
 
-    T(k) = verify(k) + [k > 0] * (rtt + k * c)
+    T(k) = verify(k) + [k > 0] * (rtt + draft(k))
 
-c = measured draft compute per token (decayed sum of draft seconds / decayed sum of drafted tokens); rtt = draft
-link round trip (paid only when we call the draft service: k = 0 means target-only decoding); verify(k) =
+draft(k) = the draft time a round waits for: a decayed least-squares line d0 + d1 * k through the rounds' (k, draft
+seconds), d0 >= 0, d1 >= 0. The draft service drafts ahead while the verifier works and a prefetch hides a whole
+block, so what a round waits for is mostly the link's fixed cost (the call, the sync of the verified tokens), not k
+times a draft step. Until k has spread the slope is not identifiable: a share f (`draft_fixed_share`) of the one k's
+mean wait m is taken as fixed and the rest as per token, draft(k) = m (f + (1 - f) k / k_seen) (f = 0 is all per
+token, which from rounds of k = 1 prices k = 4 at four times the wait and kept one stream at k <= 1; f = 1 is all
+fixed, which from rounds of k = 8 prices k = 1 as dear as 8). Once k has spread, the fitted slope says what a
+drafted token adds, and is kept while k settles again.
+Before any drafted round of the request (after `remember`), c = decayed draft seconds / drafted tokens prices k * c.
+rtt = draft link round trip (paid only when we call the draft service: k = 0 means target-only decoding); verify(k) =
 v0 + v1 * x(k), a decayed least-squares line through the observed (x(k), verify_s) points, where x(k) = max(0,
 k + 1 - F) counts the verified tokens beyond the F a forward takes for the cost of one (VerifyResponse.free_tokens,
 measured by the verifier: 4 for int4 on a full-width AVX2 core, so k <= 3 drafts verify for about the price of
@@ -92,6 +100,7 @@ class AdaptiveParams:
     load_decay: float = 0.5          # smoothing of the reported load (other sessions' rows and tokens per forward)
     tree_prior_hit_rate: float = 0.2 # h before evidence: hits per alternative node (optimistic: try trees first)
     tree_prior_nodes: float = 10.0   # pseudo-nodes behind that prior
+    draft_fixed_share: float = 0.5   # f: share of a round's draft wait taken as fixed (not per token) until k spreads
 
 
 def expected_tokens(position_acceptance: list[float], k: int) -> float:
@@ -195,6 +204,8 @@ class DraftLengthController:
         self._succ = [0.0] * max_k
         self._fail = [0.0] * max_k
         self._draft_time = self._draft_tokens = 0.0
+        self._draft_line = DecayedLine(self.params.decay)      # (k, draft seconds) of this request's drafted rounds
+        self._draft_slope: float | None = None                 # d1 as last identified (None until k has spread)
         self._verify = _DecayedLine(self.params.decay, self.params.verify_rel_slope)
         self._rtt: float | None = None
         self._other_rows = self._other_tokens = 0.0  # smoothed: other sessions' rows and tokens per forward
@@ -217,16 +228,31 @@ class DraftLengthController:
         return [(s + m1 * a) / (s + f + m1) for s, f in zip(self._succ, self._fail, strict=True)]
 
     def draft_cost(self) -> float | None:
+        """c: decayed draft seconds per drafted token (what `remember` carries between requests)."""
         return self._draft_time / self._draft_tokens if self._draft_tokens > 0 else None
+
+    def draft_time(self, k: int) -> float | None:
+        """draft(k): seconds a round of k drafts waits for its draft (the line d0 + d1 k; one k seen: its mean)."""
+        moments = self._draft_line.moments()
+        if moments is None:
+            c = self.draft_cost()
+            return None if c is None else k * c
+        mean_k, mean_t, var_k = moments
+        if var_k >= 0.25:                       # k has spread: the line's slope (kept once k settles again)
+            self._draft_slope = max(0.0, self._draft_line.slope())
+        elif self._draft_slope is None:         # one k seen: a share of its wait fixed, the rest per token
+            return mean_t * (self.params.draft_fixed_share + (1 - self.params.draft_fixed_share) * k / mean_k)
+        slope = self._draft_slope
+        return max(0.0, mean_t - slope * mean_k) + slope * k
 
     def verify_cost(self, k: int) -> float | None:
         return self._verify(k)
 
     def round_time(self, k: int) -> float | None:
-        verify, draft = self.verify_cost(k), self.draft_cost()
-        if verify is None or (k > 0 and draft is None):
+        verify, draft = self.verify_cost(k), self.draft_time(k) if k > 0 else 0.0
+        if verify is None or draft is None:
             return None
-        return verify + (0.0 if k == 0 else (self._rtt or 0.0) + k * draft)
+        return verify + (0.0 if k == 0 else (self._rtt or 0.0) + draft)
 
     def load_penalty(self, k: int) -> float:
         """P(k): tokens the other sessions in the forward give up for this session's k drafts and pending row."""
@@ -304,6 +330,7 @@ class DraftLengthController:
         if num_drafted > 0:
             self._draft_time = d * self._draft_time + max(0.0, draft_s)
             self._draft_tokens = d * self._draft_tokens + num_drafted
+            self._draft_line.add(num_drafted, max(0.0, draft_s))
         if forward_ran:
             self._verify.add(num_drafted, max(0.0, verify_s))
         if rtt_s is not None:

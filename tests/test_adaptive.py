@@ -177,3 +177,32 @@ def test_verdicts_without_a_forward_do_not_price_verify() -> None:
     assert sum(k > 0 for k in biased) < 0.1 * len(biased)                # the bias this guards against
     ks = _rounds_with_ahead(forward_ran_reported=True)
     assert sum(k == 4 for k in ks[50:]) > 0.9 * len(ks[50:])
+
+
+def test_draft_wait_splits_fixed_and_per_token_until_k_spreads_then_fits_the_line() -> None:
+    ctrl = DraftLengthController(min_k=0, max_k=8, initial_k=1, params=AdaptiveParams(patience=10 ** 6))
+    for _ in range(20):
+        ctrl.observe(1, 1, draft_s=0.04, verify_s=0.1)
+    assert ctrl.draft_time(4) == pytest.approx(0.04 * (0.5 + 0.5 * 4))    # one k seen: half fixed, half per token
+    for k in (2, 4, 6) * 10:                                              # k spreads: 30 ms fixed + 5 ms a token
+        ctrl.observe(k, k, draft_s=0.03 + 0.005 * k, verify_s=0.1)
+    assert ctrl.draft_time(8) == pytest.approx(0.07, rel=0.02)
+    for _ in range(40):                                                   # k settles: the slope is kept
+        ctrl.observe(4, 4, draft_s=0.05, verify_s=0.1)
+    assert ctrl.draft_time(8) == pytest.approx(0.07, rel=0.05)
+
+
+def test_a_fixed_draft_wait_lets_one_stream_climb_from_k_1() -> None:
+    """A draft service that drafts ahead makes a round wait ~40 ms for its draft whatever k: starting at k = 1 (as
+    learned priors may start it), a stream whose drafts hold 80% of the time climbs to the longest block."""
+    ctrl = DraftLengthController(min_k=0, max_k=4, initial_k=1)
+    rng = random.Random(3)
+    ks = []
+    for _ in range(200):
+        k = ctrl.next_k()
+        ks.append(k)
+        accepted = 0
+        while accepted < k and rng.random() < 0.8:
+            accepted += 1
+        ctrl.observe(k, accepted, draft_s=0.04 if k else 0.0, verify_s=0.1 + 0.018 * k)
+    assert sum(k == 4 for k in ks[100:]) > 80

@@ -26,9 +26,12 @@ LOADS = (0, 1, 2, 3, 4, 7, 15, 31)          # other sessions' rows in every forw
 
 def trained(acceptance: float, other_rows: int, free_tokens: int = 1, k: int = 8) -> DraftLengthController:
     """A controller after 400 rounds of k drafts (k held fixed, so every position's acceptance is measured) beside
-    `other_rows` target-only rows, each forward costing ONE_ROW_S * t(rows): its best_k() is then a pure decision."""
+    `other_rows` target-only rows, each forward costing ONE_ROW_S * t(rows): its best_k() is then a pure decision.
+    Drafting costs DRAFT_S a token, and the controller is told so (draft_fixed_share 0): with k held fixed it could
+    not tell a per-token wait from a fixed one."""
     rng = random.Random(0)
-    ctrl = DraftLengthController(max_k=k, initial_k=k, params=AdaptiveParams(patience=10 ** 6, decay=0.99))
+    params = AdaptiveParams(patience=10 ** 6, decay=0.99, draft_fixed_share=0.0)
+    ctrl = DraftLengthController(max_k=k, initial_k=k, params=params)
     for _ in range(400):
         accepted = 0
         while accepted < k and rng.random() < acceptance:
