@@ -106,7 +106,7 @@ class DraftConfig:
     max_q_entries: int = 32            # sparse draft distribution size sent per drafted token
     max_draft_tokens: int = 16
     draft_ahead: bool = True           # keep drafting the next block while the verifier works
-    guesses: bool = True               # greedy draft forwards carry prompt-lookup guesses (specmesh/guesses.py)
+    guesses: bool = True               # greedy draft forwards carry prompt-lookup guesses (specmesh/engine/guesses.py)
     head_vocab: int = 0                # > 0: draft only from the first N token ids (+ special tokens); 0 = all
     session_lease_s: float = 60.0      # no call for this long: the session is ended and its KV freed (> draft timeout)
     limits: InputLimits = InputLimits()

@@ -16,13 +16,14 @@ from typing import NoReturn
 
 import grpc
 
-from specmesh import __version__, client
+from specmesh import __version__
 from specmesh.config import DTYPE_CHOICES, DraftConfig, GatewayConfig, VerifierConfig, load_config
 from specmesh.engine.dtype_choice import DtypeChoice, resolve_dtype
-from specmesh.launcher import PRESETS, PortInUseError, Stack, StackConfig, StartError
 from specmesh.models.catalog import ModelRefError, check_model_ref
 from specmesh.models.commands import add_models_parser
-from specmesh.pipeline_cli import add_run_parser
+from specmesh.ops import client
+from specmesh.ops.launcher import PRESETS, PortInUseError, Stack, StackConfig, StartError
+from specmesh.ops.pipeline_cli import add_run_parser
 
 DEFAULT_TRACE_FILE = os.path.join(tempfile.gettempdir(), "specmesh-spans.jsonl")
 PORT_FLAGS = {"verifier": "--verifier-port", "draft": "--draft-port", "gateway": "--port",
