@@ -122,6 +122,21 @@ def test_no_package_cycle_in_specmesh() -> None:
     assert _cycles(packages) == []
 
 
+LAYERS = (("specmesh.config_help",), ("specmesh.config",), ("specmesh.spec", "specmesh.models", "specmesh.telemetry"),
+          ("specmesh.engine",), ("specmesh.rpc",), ("specmesh.ops",))
+"""specmesh's packages bottom to top (README "Layout"): each imports only from the rows below it."""
+
+
+def test_layers_point_down() -> None:
+    rank = {package: i for i, row in enumerate(LAYERS) for package in row}
+    graph = _specmesh_graph()
+    assert {_layer(m) for m in graph} - {"specmesh"} == set(rank), "a new specmesh package needs its row in LAYERS"
+    wrong = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                   if _layer(m) != _layer(d) and "specmesh" not in (_layer(m), _layer(d))
+                   and rank[_layer(d)] >= rank[_layer(m)])
+    assert wrong == []
+
+
 @pytest.mark.parametrize("importer", [*TOP])
 def test_services_stay_apart(importer: str) -> None:
     """A service never imports another; kvstore is the gateway's alone; specmesh imports no service."""
