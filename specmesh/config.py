@@ -80,7 +80,7 @@ class InputLimits:
     """Every cap on what a caller may send, in one table (README "Input limits"). Nested in each service's config,
     so each reads SPECMESH_<SERVICE>_<FIELD> (e.g. SPECMESH_GATEWAY_MAX_PROMPT_CHARS). Over a cap: INVALID_ARGUMENT
     (HTTP 400) naming the field and the cap; a body or gRPC message over max_body_bytes: HTTP 413 /
-    RESOURCE_EXHAUSTED. Checked by gateway/limits.py (public API) and the verifier / draft servicers."""
+    RESOURCE_EXHAUSTED. Checked by specmesh/rpc/limits.py (the gateway's public API, the verifier / draft servicers)."""
     max_body_bytes: int = 2 * 2**20          # HTTP request body, and a public gRPC message of the gateway
     max_prompt_chars: int = 200_000          # prompt (also /v1/tokenize), and all chat messages' content together
     max_messages: int = 256                  # chat messages in one request (also /v1/tokenize)
