@@ -47,8 +47,8 @@ from bench.wan_proxy import WanProxy
 from draft_service.server import build_draft
 from gateway.server import build_gateway
 from specmesh.config import DraftConfig, EngineConfig, GatewayConfig, VerifierConfig
-from specmesh.grpc_server import ServiceServer
-from specmesh.launcher import PRESETS
+from specmesh.ops.launcher import PRESETS
+from specmesh.rpc.grpc_server import ServiceServer
 from verifier_service.server import build_verifier
 
 MODES = {"off": dict(enable_cache=False, enable_ngram=False), "ngram": dict(enable_cache=False, enable_ngram=True),

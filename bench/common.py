@@ -22,8 +22,8 @@ import grpc
 
 from gateway.tiers import TENANT_HEADER
 from protos.specmesh.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from specmesh import client
-from specmesh.launcher import PRESETS, Stack, StackConfig
+from specmesh.ops import client
+from specmesh.ops.launcher import PRESETS, Stack, StackConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_WORKLOAD = str(REPO_ROOT / "bench" / "workload.jsonl")  # the repository's own copy, whatever the cwd

@@ -45,8 +45,8 @@ from bench.common import (
     write_json,
 )
 from specmesh.config import EngineConfig, GatewayConfig
-from specmesh.launcher import PRESETS
 from specmesh.models import resolve_model_dir
+from specmesh.ops.launcher import PRESETS
 
 MODES = ("target", "spec")
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import free_port_block, log, result_paths, run_metadata  # noqa: E402
 from protos.specmesh.v1 import generate_pb2, generate_pb2_grpc  # noqa: E402
 from specmesh.config import InputLimits  # noqa: E402
-from specmesh.launcher import PRESETS, Stack, StackConfig  # noqa: E402
+from specmesh.ops.launcher import PRESETS, Stack, StackConfig  # noqa: E402
 
 ALPHABET = "ab😀é中\u0394x "          # multi-byte characters: many tokens per character with byte-level BPE
 

@@ -1,4 +1,4 @@
-"""Prompt-lookup guesses in a model's free rows (specmesh/guesses.py) measured alone: greedy decoding of workload
+"""Prompt-lookup guesses in a model's free rows (specmesh/engine/guesses.py) measured alone: greedy decoding of workload
 prompts through the engine's own ModelRunner, one token per forward and then with guesses priced as the services
 price them (the verifier while it decodes ahead, the draft service while it drafts), paired per prompt. Reports
 tokens per forward, tok/s, the ratio, and whether the two outputs are identical (they must be).
@@ -27,8 +27,8 @@ from specmesh.config import EngineConfig
 from specmesh.engine.batched_rejection import greedy_accept
 from specmesh.engine.build import build_engine_parts
 from specmesh.engine.forward_cost import ForwardCost
+from specmesh.engine.guesses import MAX_GUESSES, GuessRate, best_num_guesses, guess
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
-from specmesh.guesses import MAX_GUESSES, GuessRate, best_num_guesses, guess
 from specmesh.models import resolve_model_dir
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

@@ -10,7 +10,7 @@ from typing import Any
 
 from bench.common import Prompt, first_mismatch, log, split_csv
 from bench.speedup_stats import hf_summary
-from specmesh.launcher import PRESETS
+from specmesh.ops.launcher import PRESETS
 
 HF_MODES = ("target", "draft", "assisted", "lookup")
 

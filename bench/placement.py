@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass
 
 from gateway.placement import POLICIES, prefix_key
 from gateway.server import build_gateway_parts
-from specmesh import client
 from specmesh.config import GatewayConfig
-from specmesh.launcher import wait_serving
+from specmesh.ops import client
+from specmesh.ops.launcher import wait_serving
 
 BLOCK_SIZE = 16
 

@@ -1,5 +1,5 @@
 """What seeded reproducibility costs in acceptance: per-token match rate of the seeded Gumbel coupling
-(specmesh/seeded.py: a draft token is accepted iff it equals the target's own seeded draw) against rejection
+(specmesh/spec/seeded.py: a draft token is accepted iff it equals the target's own seeded draw) against rejection
 sampling's acceptance 1 - TV(p, q), on synthetic target / draft distributions at several distances.
 
     python -m bench.seeded_coupling [--vocab 2000] [--positions 60] [--seeds 150]
@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from specmesh.seeded import seeded_token
+from specmesh.spec.seeded import seeded_token
 
 NOISE_LEVELS = (0.3, 0.7, 1.2)
 

@@ -39,8 +39,8 @@ from bench.common import (
 from bench.serving_clients import grpc_sender, http_sender, percentile, run_open_loop, summarize
 from bench.serving_mix import TrafficRequest, arrivals, build_traffic
 from bench.serving_peer import find_server, running_server, target_gguf
-from specmesh.launcher import PRESETS
 from specmesh.models import resolve_model_dir
+from specmesh.ops.launcher import PRESETS
 
 STACK_CONFIGS = {"target": 0, "spec": None}      # num_draft_tokens per request: 0 = target-only, None = defaults
 PEER = "llama-server"

@@ -28,7 +28,7 @@ from bench.common import fresh_tenant
 from bench.serving_mix import TrafficRequest
 from gateway.tiers import TENANT_HEADER
 from protos.specmesh.v1 import generate_pb2_grpc
-from specmesh import client
+from specmesh.ops import client
 
 REQUEST_TIMEOUT_S = 3600.0
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from bench.common import free_port_block, log
 from bench.llamacpp_peer import GGUF_FILES, stop_server, wait_healthy
-from specmesh.models import default_cache_dir
+from specmesh.config import default_cache_dir
 
 SERVER_ENV = "SPECMESH_LLAMA_SERVER"
 SLOTS = 4

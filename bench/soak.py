@@ -50,7 +50,7 @@ from bench.soak_report import (  # noqa: E402
 from bench.soak_scenarios import API_KEYS, SCENARIOS, run_scenarios  # noqa: E402
 from bench.soak_services import SoakServices, chaos, sample_every  # noqa: E402
 from bench.soak_traffic import Mix, calibrate, worker  # noqa: E402
-from specmesh.launcher import PRESETS  # noqa: E402
+from specmesh.ops.launcher import PRESETS  # noqa: E402
 
 EXPIRED_METRIC = "specmesh_sessions_expired_total"
 KILLABLE = ("draft", "redis", "gateway")

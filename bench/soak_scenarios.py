@@ -30,7 +30,7 @@ from bench.soak_services import SoakServices
 from bench.soak_traffic import METADATA, TRAFFIC_KEY
 from gateway.quotas import PUSHBACK_KEY
 from protos.specmesh.v1 import generate_pb2_grpc
-from specmesh import client
+from specmesh.ops import client
 
 PIN_LIMIT = 3
 API_KEYS = f"{TRAFFIC_KEY}:soak,soak-pin:pinner:streams={PIN_LIMIT},soak-victim:victim"

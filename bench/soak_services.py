@@ -19,7 +19,7 @@ import grpc
 from bench.common import free_port_block, log
 from bench.soak_report import Window
 from protos.specmesh.v1 import verifier_pb2, verifier_pb2_grpc
-from specmesh.launcher import PRESETS, Stack, StackConfig
+from specmesh.ops.launcher import PRESETS, Stack, StackConfig
 
 SERVICES = ("verifier", "draft", "gateway")
 

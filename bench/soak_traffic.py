@@ -16,7 +16,7 @@ import grpc
 from bench.common import log
 from bench.soak_report import CLIENT_CANCEL, GreedyChecks, Outcome
 from protos.specmesh.v1 import generate_pb2, generate_pb2_grpc
-from specmesh import client
+from specmesh.ops import client
 
 SHORT_PROMPTS = ("The quick brown fox", "def merge_sort(xs):", "سلام، امروز هوا چطور است؟",
                  "Explain paged attention.", "SELECT name FROM users WHERE", "Once upon a time",

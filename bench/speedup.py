@@ -89,7 +89,7 @@ from bench.wan_proxy import WanProxy
 from gateway.verify_cost import VerifyCost
 from specmesh.config import AUTO_DTYPE
 from specmesh.engine.dtype_choice import resolve_dtype
-from specmesh.launcher import PRESETS, Stack, StackConfig
+from specmesh.ops.launcher import PRESETS, Stack, StackConfig
 
 Results = dict[str, list[RequestResult]]   # per arm ("model@rtt40" etc. for the sweep)
 

@@ -31,8 +31,8 @@ from transformers import AutoTokenizer
 from bench.common import add_stack_args, log, result_paths, run_metadata, split_csv, stack_addr, write_json
 from bench.serving_clients import StreamResult, grpc_sender
 from bench.serving_mix import SUMMARIZE, TrafficRequest, document_ids, document_text
-from specmesh.launcher import PRESETS
 from specmesh.models import resolve_model_dir
+from specmesh.ops.launcher import PRESETS
 
 STREAM_K = {"target": 0, "spec": None}          # num_draft_tokens of the stream: 0 = target-only, None = defaults
 STREAM_PROMPT = "Write a detailed, step-by-step tutorial on binary search trees in Python, with code."

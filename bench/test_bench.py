@@ -45,7 +45,7 @@ from bench.speedup_arms import (
 from bench.speedup_goals import format_goal, goals_for_length, greedy_goal, limiting_term, round_terms
 from bench.speedup_stats import analytic_speedup, pooled_acceptance, position_acceptance, speedups
 from gateway.verify_cost import VerifyCost
-from specmesh.launcher import Stack, StackConfig
+from specmesh.ops.launcher import Stack, StackConfig
 
 
 def test_workload_dedupes_repeated_prompts_by_default(tmp_path: Path) -> None:

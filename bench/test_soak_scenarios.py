@@ -9,7 +9,7 @@ from bench.soak import parse_args
 from bench.soak_report import format_scenarios
 from bench.soak_scenarios import API_KEYS, PIN_LIMIT, SCENARIOS
 from gateway.quotas import TenantLimits, parse_tenant_limits
-from specmesh.security import parse_api_keys
+from specmesh.rpc.security import parse_api_keys
 
 
 def test_scenarios_are_chosen_by_name() -> None:

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from bench.common import DEFAULT_WORKLOAD
-from specmesh import client
-from specmesh.launcher import PRESETS, Stack, StackConfig
+from specmesh.ops import client
+from specmesh.ops.launcher import PRESETS, Stack, StackConfig
 
 WORKLOAD = Path(DEFAULT_WORKLOAD)
 FALLBACK_PROMPTS = ["The quick brown fox", "def fibonacci(n):\n    return", "Once upon a time, in a city on a hill"]

@@ -50,7 +50,7 @@ from specmesh.engine.loop import EngineError
 from specmesh.engine.model_runner import kv_cache_geometry
 from specmesh.engine.paged_attention import ATTN_IMPLEMENTATION
 from specmesh.engine.scheduler import ForwardRequest, SeqState
-from specmesh.launcher import PRESETS
+from specmesh.ops.launcher import PRESETS
 
 BARE_ATTENTION = "specmesh_bare"
 CONTEXT_LEN = 256

@@ -1,7 +1,7 @@
 #!/bin/sh
 # Container entrypoint: the first argument picks the service, the rest are its flags.
 #   gateway | verifier | draft       run that service (python -m gateway|verifier_service|draft_service)
-#   healthcheck ADDR                 grpc.health.v1 probe (python -m specmesh.healthcheck)
+#   healthcheck ADDR                 grpc.health.v1 probe (python -m specmesh.ops.healthcheck)
 #   specmesh ARGS                    the CLI (e.g. `specmesh models list`)
 #   anything else                    run as a command
 set -e
@@ -19,7 +19,7 @@ case "$service" in
     exec python -m verifier_service "$@" ;;
   draft|draft_service) model="${SPECMESH_DRAFT_MODEL:-tiny-draft}"; check_model "$@"
     exec python -m draft_service "$@" ;;
-  healthcheck) exec python -m specmesh.healthcheck "$@" ;;
+  healthcheck) exec python -m specmesh.ops.healthcheck "$@" ;;
   specmesh) exec specmesh "$@" ;;
   *) exec "$service" "$@" ;;
 esac

@@ -8,7 +8,7 @@ import sys
 
 from draft_service.server import build_draft
 from specmesh.config import DraftConfig, load_config
-from specmesh.grpc_server import serve_until_signal
+from specmesh.rpc.grpc_server import serve_until_signal
 from specmesh.telemetry.tracing import setup_tracing
 
 

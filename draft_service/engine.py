@@ -14,7 +14,7 @@ a prefix of the tail, the already-drafted tokens are served without waiting for 
 discarded (stale). Tail tokens carry the q they were sampled from, so sampled drafts stay exact.
 
 Guesses (greedy sessions, `guesses`): a draft forward also runs prompt-lookup guesses of the next tokens in its free
-rows (specmesh/guesses.py, priced by the draft's own forward cost); every guess equal to the draft's argmax is a
+rows (specmesh/engine/guesses.py, priced by the draft's own forward cost); every guess equal to the draft's argmax is a
 draft token without a forward of its own, so on repetitive text one forward drafts several tokens.
 """
 
@@ -33,14 +33,14 @@ from draft_service.session_sync import place_delta, plan_sync
 from specmesh.engine.batched import BatchedEngine
 from specmesh.engine.batched_rejection import greedy_accept
 from specmesh.engine.block_manager import BlockManager
+from specmesh.engine.guesses import GuessRate, best_num_guesses, guess
 from specmesh.engine.loop import Completion, EngineError
 from specmesh.engine.model_runner import ModelRunner
 from specmesh.engine.scheduler import ForwardRequest, SeqState
-from specmesh.guesses import GuessRate, best_num_guesses, guess
-from specmesh.logit_transforms import adjust_chain
-from specmesh.rejection import SparseDist
-from specmesh.sampling import SamplingParams, logits_to_probs, make_generator, sample_sparse, sparsify
-from specmesh.seeded import seeded_sparse
+from specmesh.spec.logit_transforms import adjust_chain
+from specmesh.spec.rejection import SparseDist
+from specmesh.spec.sampling import SamplingParams, logits_to_probs, make_generator, sample_sparse, sparsify
+from specmesh.spec.seeded import seeded_sparse
 from specmesh.telemetry.metrics import StatsCollector
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ class DraftEngine(BatchedEngine):
                  draft_ahead: bool = True, guesses: bool = False) -> None:
         super().__init__("draft-engine", runner, block_manager, max_num_batched_tokens, max_num_seqs, num_threads)
         self.draft_ahead = draft_ahead
-        self.guesses = guesses         # greedy draft forwards carry prompt-lookup guesses (specmesh/guesses.py)
+        self.guesses = guesses         # greedy draft forwards carry prompt-lookup guesses (specmesh/engine/guesses.py)
         self.num_guessed = 0           # guesses run in draft forwards
         self.num_guesses_accepted = 0  # of them, the ones equal to the draft's argmax (drafts without a forward)
         # exported as specmesh_draft_guessed_total / specmesh_draft_guess_accepted_total
@@ -338,7 +338,7 @@ class DraftEngine(BatchedEngine):
         probs32 = [float(x) for x in np.asarray(probs, dtype=np.float32)]
         position = len(proposal.session.seq.token_ids)
         if proposal.params.is_seeded:
-            # The noise the verifier draws the target's token at this position with (specmesh/seeded.py): a q
+            # The noise the verifier draws the target's token at this position with (specmesh/spec/seeded.py): a q
             # close to p mostly proposes the very token the target draws. Drawn from the q sent, so a verifier
             # that runs rejection sampling instead stays exact too.
             token = seeded_sparse(ids, probs32, proposal.params.seed, position)

@@ -7,9 +7,9 @@ from draft_service.servicer import DraftServicer
 from protos.specmesh.v1 import draft_pb2, draft_pb2_grpc
 from specmesh.config import DraftConfig
 from specmesh.engine.build import build_engine_parts
-from specmesh.grpc_server import ServiceServer
-from specmesh.leases import SessionLeases, reap_forever
-from specmesh.security import peer_interceptors, server_credentials
+from specmesh.rpc.grpc_server import ServiceServer
+from specmesh.rpc.leases import SessionLeases, reap_forever
+from specmesh.rpc.security import peer_interceptors, server_credentials
 from specmesh.telemetry.metrics import SessionMetrics, start_metrics
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name

@@ -1,10 +1,10 @@
 """Thin gRPC servicer of the draft service: validate, check the session's owner, delegate to the engine.
 
-Errors are raised (EngineError) and mapped to status codes in one place, `specmesh/rpc_guard.py`.
-Sessions are owned and leased (`specmesh/leases.py`): the caller chooses an owner token, the Propose that creates
+Errors are raised (EngineError) and mapped to status codes in one place, `specmesh/rpc/rpc_guard.py`.
+Sessions are owned and leased (`specmesh/rpc/leases.py`): the caller chooses an owner token, the Propose that creates
 the session binds it, and every later Propose / EndSession must present it (else PERMISSION_DENIED). A session
 idle for the lease period is ended by the service's reaper task (draft_service/server.py). An EndSession is
-remembered for the lease period (specmesh/ended_sessions.py): a Propose that arrives after it, even one that was
+remembered for the lease period (draft_service/ended_sessions.py): a Propose that arrives after it, even one that was
 sent first, is CANCELLED instead of creating the session again.
 """
 
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import grpc
 
+from draft_service.ended_sessions import EndedSessions
 from draft_service.engine import DraftEngine, Drafts
 from protos.specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specmesh.config import InputLimits
-from specmesh.ended_sessions import EndedSessions
 from specmesh.engine.loop import EngineError
-from specmesh.leases import SessionLeases, check_owner_token, check_session_id
-from specmesh.limits import check_token_ids
-from specmesh.proto_convert import sampling_from_proto, sparse_dists_to_proto
+from specmesh.rpc.leases import SessionLeases, check_owner_token, check_session_id
+from specmesh.rpc.limits import check_token_ids
+from specmesh.rpc.proto_convert import sampling_from_proto, sparse_dists_to_proto
 
 MAX_TREE_WIDTH = 8
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specmesh.engine.loop import EngineError
-from specmesh.token_ids import common_prefix_len
+from specmesh.spec.token_ids import common_prefix_len
 
 
 @dataclass(frozen=True)

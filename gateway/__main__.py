@@ -13,8 +13,8 @@ from gateway.http_edge import http_ssl_context
 from gateway.openai_http import ServedModel, add_loopback_port, start_openai_http
 from gateway.server import build_gateway_parts
 from specmesh.config import GatewayConfig, load_config
-from specmesh.grpc_server import serve_until_signal
-from specmesh.security import load_api_keys
+from specmesh.rpc.grpc_server import serve_until_signal
+from specmesh.rpc.security import load_api_keys
 from specmesh.telemetry.tracing import setup_tracing
 
 

@@ -81,8 +81,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from gateway.decayed_line import DecayedLine
 from gateway.verify_cost import VerifyCost, excess_tokens, forward_units, load_penalty
-from specmesh.decayed_line import DecayedLine
 
 
 @dataclass(frozen=True)

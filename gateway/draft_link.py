@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from specmesh.token_ids import common_prefix_len
+from specmesh.spec.token_ids import common_prefix_len
 
 BACKOFF_ROUNDS = 8   # rounds without model drafts after a draft-service failure
 

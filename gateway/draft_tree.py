@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from specmesh.rejection import SparseDist
+from specmesh.spec.rejection import SparseDist
 
 MAX_TREE_NODES = 32    # chain + alternatives in one Verify (the verifier's limits are 64 drafts and the step budget)
 

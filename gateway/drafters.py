@@ -23,9 +23,9 @@ from gateway.draft_link import BACKOFF_ROUNDS, DraftLink, LinkCall, OnError
 from gateway.draft_tree import build_tree, main_chain_len
 from gateway.verify_cost import UNKNOWN_COST, VerifyCost
 from protos.specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from specmesh.proto_convert import sampling_to_proto
-from specmesh.rejection import SparseDist
-from specmesh.sampling import SamplingParams
+from specmesh.rpc.proto_convert import sampling_to_proto
+from specmesh.spec.rejection import SparseDist
+from specmesh.spec.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

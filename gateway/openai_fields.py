@@ -21,7 +21,7 @@ from typing import Any
 
 from gateway.api_error import ApiError
 from protos.specmesh.v1 import common_pb2
-from specmesh.proto_convert import MAX_LOGIT_BIAS
+from specmesh.rpc.proto_convert import MAX_LOGIT_BIAS
 
 UINT32_MAX = 2**32 - 1                # max_tokens, top_k, num_draft_tokens, token ids are uint32 in specmesh.v1
 FLOAT32_MAX = 3.4028234663852886e38

@@ -32,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from transformers import PreTrainedTokenizerBase
 
 import specmesh
+from gateway.channels import internal_channel
 from gateway.http_edge import error_middleware, forwarded_metadata, json_object
 from gateway.openai_protocol import (
     ApiError,
@@ -45,12 +46,11 @@ from gateway.openai_protocol import (
 )
 from gateway.quotas import retry_after_header
 from protos.specmesh.v1 import generate_pb2, generate_pb2_grpc
-from specmesh.channels import internal_channel
 from specmesh.config import GatewayConfig, InputLimits
 from specmesh.engine.errors import EngineError
-from specmesh.grpc_server import ServiceServer
-from specmesh.limits import check_messages, check_prompt, field_of
-from specmesh.security import TENANT_HEADER, ApiKeys, Denied, resolve_tenant
+from specmesh.rpc.grpc_server import ServiceServer
+from specmesh.rpc.limits import check_messages, check_prompt, field_of
+from specmesh.rpc.security import TENANT_HEADER, ApiKeys, Denied, resolve_tenant
 from specmesh.telemetry.metrics import GatewayMetrics
 
 FORWARDED_HEADERS = ("authorization", TENANT_HEADER)
@@ -83,7 +83,7 @@ class OpenAIHttp:
     """The aiohttp app; `grpc_target()` names the gateway's gRPC address (known once the gRPC server is bound).
     `metrics`: the gateway's (HTTP refusals counted, /metrics served); `tokenizer`: for /v1/tokenize;
     `ssl_context`: HTTPS (gateway.http_edge.http_ssl_context); `api_keys`: the gateway's, checked on every /v1/
-    route with the gRPC API's rule (specmesh.security.resolve_tenant; the gRPC service checks generations again);
+    route with the gRPC API's rule (specmesh.rpc.security.resolve_tenant; the gRPC service checks generations again);
     `limits`: the body cap, and the prompt / messages caps of /v1/tokenize (generations: the gRPC service's)."""
 
     def __init__(self, model: ServedModel, grpc_target: Callable[[], str],

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from specmesh.config import GatewayConfig
-from specmesh.security import DEFAULT_TENANT, api_key_entries, parse_api_keys, split_entry, unbound_key_tenant
+from specmesh.rpc.security import DEFAULT_TENANT, api_key_entries, parse_api_keys, split_entry, unbound_key_tenant
 from specmesh.telemetry.metrics import GatewayMetrics
 
 if TYPE_CHECKING:

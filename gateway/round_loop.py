@@ -29,7 +29,7 @@ from gateway.validation import GenerationParams
 from gateway.verifier_session import OnMove, SessionLost, VerifierSession
 from gateway.verify_cost import reported
 from protos.specmesh.v1 import common_pb2, verifier_pb2
-from specmesh.proto_convert import sparse_dists_to_proto
+from specmesh.rpc.proto_convert import sparse_dists_to_proto
 
 log = logging.getLogger(__name__)
 

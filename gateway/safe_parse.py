@@ -1,4 +1,4 @@
-"""Registers the Generation service. Its requests are parsed safely like every service's (specmesh/rpc_guard.py).
+"""Registers the Generation service. Its requests are parsed safely like every service's (specmesh/rpc/rpc_guard.py).
 
 gRPC answers a request whose bytes do not parse with INTERNAL. The shared `RpcGuard` interceptor of every
 `ServiceServer` gives each method a parser that returns an `UndecodableRequest` marker instead, and answers it
@@ -11,7 +11,7 @@ from __future__ import annotations
 import grpc
 
 from protos.specmesh.v1 import generate_pb2, generate_pb2_grpc
-from specmesh.rpc_guard import UndecodableRequest, safe_deserializer
+from specmesh.rpc.rpc_guard import UndecodableRequest, safe_deserializer
 
 __all__ = ["UndecodableRequest", "add_generation_servicer", "parse_generate_request"]
 

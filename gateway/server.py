@@ -12,6 +12,7 @@ from typing import TypeVar
 import grpc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from gateway.channels import internal_channel
 from gateway.discovery import Discovery, Resolver, parse_addrs, resolve_dns
 from gateway.draft_pool import DraftPool
 from gateway.health import VerifierWatch
@@ -21,11 +22,10 @@ from gateway.servicer import GenerationServicer, ModelInfo
 from gateway.text_stream import IncrementalDetokenizer
 from gateway.tiers import build_tiers
 from protos.specmesh.v1 import draft_pb2_grpc, generate_pb2, verifier_pb2, verifier_pb2_grpc
-from specmesh.channels import internal_channel
 from specmesh.config import GatewayConfig
-from specmesh.grpc_server import ServiceServer
 from specmesh.models import resolve_model_dir
-from specmesh.security import PUBLIC_METHOD_PREFIX, api_key_interceptors, load_api_keys, server_credentials
+from specmesh.rpc.grpc_server import ServiceServer
+from specmesh.rpc.security import PUBLIC_METHOD_PREFIX, api_key_interceptors, load_api_keys, server_credentials
 from specmesh.telemetry.metrics import GatewayMetrics, StatsCollector, start_metrics
 
 log = logging.getLogger(__name__)

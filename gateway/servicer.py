@@ -32,9 +32,9 @@ from gateway.validation import GenerationParams, validate_request
 from protos.specmesh.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from specmesh.config import GatewayConfig
 from specmesh.engine.loop import EngineError
-from specmesh.grpc_server import status_code
-from specmesh.leases import new_session_id
-from specmesh.security import DEFAULT_TENANT
+from specmesh.rpc.grpc_server import status_code
+from specmesh.rpc.leases import new_session_id
+from specmesh.rpc.security import DEFAULT_TENANT
 from specmesh.telemetry.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)

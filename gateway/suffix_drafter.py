@@ -28,8 +28,8 @@ from gateway.tiers import TieredDrafter
 from gateway.verify_cost import UNKNOWN_COST, VerifyCost
 from kvstore.base import MAX_CONTINUATION_TOKENS
 from protos.specmesh.v1 import common_pb2
-from specmesh.rejection import SparseDist
-from specmesh.token_ids import common_prefix_len
+from specmesh.spec.rejection import SparseDist
+from specmesh.spec.token_ids import common_prefix_len
 
 if TYPE_CHECKING:
     from gateway.tiers import DraftTiers

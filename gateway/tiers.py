@@ -22,8 +22,8 @@ from kvstore.factory import parse_lens
 from kvstore.suffix_store import open_suffix_store
 from protos.specmesh.v1 import common_pb2
 from specmesh.config import GatewayConfig
-from specmesh.ngram import propose_ngram
-from specmesh.security import TENANT_HEADER, ApiKeys, Denied, Metadata, load_api_keys, tenant_of
+from specmesh.rpc.security import TENANT_HEADER, ApiKeys, Denied, Metadata, load_api_keys, tenant_of
+from specmesh.spec.ngram import propose_ngram
 
 __all__ = ["TENANT_HEADER", "DraftTiers", "TierSettings", "build_tiers", "tenant_from_metadata"]
 CACHE = common_pb2.DRAFT_SOURCE_CACHE

@@ -12,9 +12,9 @@ from gateway.safe_parse import UndecodableRequest
 from protos.specmesh.v1 import generate_pb2
 from specmesh.config import GatewayConfig
 from specmesh.engine.loop import EngineError
-from specmesh.limits import check_max_new_tokens, check_messages, check_prompt, check_request_id, check_stop
-from specmesh.proto_convert import sampling_from_proto
-from specmesh.sampling import SamplingParams
+from specmesh.rpc.limits import check_max_new_tokens, check_messages, check_prompt, check_request_id, check_stop
+from specmesh.rpc.proto_convert import sampling_from_proto
+from specmesh.spec.sampling import SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant")
 

@@ -4,7 +4,7 @@ The gateway's `RequestState` holds everything a session is made of (the prompt, 
 left), so a session can be opened again on another replica from it: StartSession with the prompt plus every token
 emitted so far. The new replica's first token is the target's next token given exactly that context: the same
 token an undisturbed greedy run produces, and a fresh draw from the target's distribution for a sampled one. A
-seeded request keeps its seed: its draws are keyed by (seed, absolute position) (specmesh/seeded.py), so the new
+seeded request keeps its seed: its draws are keyed by (seed, absolute position) (specmesh/spec/seeded.py), so the new
 replica draws exactly the tokens the old one would have, the continuation is identical to an undisturbed run, and no
 draw that chose an emitted token is replayed (those positions are behind it). Nothing the client received is sent
 again, nothing is skipped.
@@ -27,8 +27,8 @@ import grpc
 from gateway.cleanup import END_SESSION_RETRY_S, end_until_done
 from gateway.replicas import Replica, VerifierPool
 from protos.specmesh.v1 import common_pb2, verifier_pb2
-from specmesh.proto_convert import sampling_to_proto
-from specmesh.sampling import SamplingParams
+from specmesh.rpc.proto_convert import sampling_to_proto
+from specmesh.spec.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

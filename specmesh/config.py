@@ -1,4 +1,5 @@
-"""Service configuration: frozen dataclasses built once at start-up. Environment variables are read here only.
+"""Service configuration: frozen dataclasses built once at start-up. Environment variables are read here only
+(`environment()`: the services' settings, the model cache, the C compiler); every other module asks a function below.
 
 Every field can be set with an environment variable `SPECMESH_<SERVICE>_<FIELD>` (e.g. `SPECMESH_VERIFIER_PORT`)
 or a command-line flag of the same name (`--port`); flags win over the environment, which wins over defaults.
@@ -12,6 +13,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar, get_type_hints
 
 T = TypeVar("T")
@@ -22,6 +24,36 @@ DTYPE_CHOICES = (AUTO_DTYPE, "int4", "int8", "float32", "bfloat16", "float16")
 keep greedy speculation exact; bfloat16 / float16 are not batch-invariant (README: numerics)."""
 CHOICES: dict[str, tuple[str, ...]] = {"dtype": DTYPE_CHOICES}
 """Fields whose value must be one of a few names, checked where the value is read (env or flag)."""
+
+CACHE_DIR_ENV = "SPECMESH_CACHE_DIR"
+"""Where models, tokenizers and built kernels are cached (unset or empty: ~/.cache/specmesh)."""
+
+
+def environment() -> Mapping[str, str]:
+    """The process environment: the one place specmesh reads it. `load_config` reads SPECMESH_<SERVICE>_<FIELD>
+    through it; the model cache and the kernel builder read theirs through the functions below."""
+    return os.environ
+
+
+def env_setting(name: str) -> str:
+    """One environment variable's value; "" when unset."""
+    return environment().get(name, "")
+
+
+def cache_dir_setting() -> str:
+    """$SPECMESH_CACHE_DIR as set ("" when unset or empty)."""
+    return env_setting(CACHE_DIR_ENV)
+
+
+def default_cache_dir() -> Path:
+    """``$SPECMESH_CACHE_DIR`` if set, else ``~/.cache/specmesh``."""
+    env = cache_dir_setting()
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "specmesh"
+
+
+def c_compiler_setting() -> str:
+    """$CC: the C compiler that builds the CPU kernels ("" = gcc or cc from PATH)."""
+    return env_setting("CC")
 
 
 @dataclass(frozen=True)
@@ -48,7 +80,7 @@ class InputLimits:
     """Every cap on what a caller may send, in one table (README "Input limits"). Nested in each service's config,
     so each reads SPECMESH_<SERVICE>_<FIELD> (e.g. SPECMESH_GATEWAY_MAX_PROMPT_CHARS). Over a cap: INVALID_ARGUMENT
     (HTTP 400) naming the field and the cap; a body or gRPC message over max_body_bytes: HTTP 413 /
-    RESOURCE_EXHAUSTED. Checked by gateway/limits.py (public API) and the verifier / draft servicers."""
+    RESOURCE_EXHAUSTED. Checked by specmesh/rpc/limits.py (the gateway's public API, the verifier / draft servicers)."""
     max_body_bytes: int = 2 * 2**20          # HTTP request body, and a public gRPC message of the gateway
     max_prompt_chars: int = 200_000          # prompt (also /v1/tokenize), and all chat messages' content together
     max_messages: int = 256                  # chat messages in one request (also /v1/tokenize)
@@ -106,7 +138,7 @@ class DraftConfig:
     max_q_entries: int = 32            # sparse draft distribution size sent per drafted token
     max_draft_tokens: int = 16
     draft_ahead: bool = True           # keep drafting the next block while the verifier works
-    guesses: bool = True               # greedy draft forwards carry prompt-lookup guesses (specmesh/guesses.py)
+    guesses: bool = True               # greedy draft forwards carry prompt-lookup guesses (specmesh/engine/guesses.py)
     head_vocab: int = 0                # > 0: draft only from the first N token ids (+ special tokens); 0 = all
     session_lease_s: float = 60.0      # no call for this long: the session is ended and its KV freed (> draft timeout)
     limits: InputLimits = InputLimits()
@@ -221,7 +253,7 @@ def _dotted_value(config: Any, dotted: str) -> Any:
 def load_config(cls: type[T], service: str, argv: Sequence[str] | None = None,
                 env: Mapping[str, str] | None = None, base: T | None = None) -> T:
     """Defaults <- SPECMESH_<SERVICE>_<FIELD> environment <- --field command-line flags."""
-    env = os.environ if env is None else env
+    env = environment() if env is None else env
     base = cls() if base is None else base
     from specmesh.config_help import flag_help
 

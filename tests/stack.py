@@ -16,8 +16,8 @@ from draft_service.server import build_draft
 from gateway.discovery import Resolver, resolve_dns
 from gateway.server import build_gateway
 from specmesh.config import DraftConfig, EngineConfig, GatewayConfig, VerifierConfig
-from specmesh.grpc_server import ServiceServer
 from specmesh.models import resolve_model_dir
+from specmesh.rpc.grpc_server import ServiceServer
 from verifier_service.engine import VerifierEngine
 from verifier_service.server import build_verifier
 

@@ -1,4 +1,4 @@
-"""Guesses in decode-ahead steps (specmesh/guesses.py): the verifier fills an ahead forward's free rows
+"""Guesses in decode-ahead steps (specmesh/engine/guesses.py): the verifier fills an ahead forward's free rows
 with prompt-lookup guesses for sessions that draft, and commits the ones the target confirms.
 
 - On plain ints: how many tokens a forward may take at its measured cost, how rows are shared, guesses stop before
@@ -15,9 +15,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from specmesh.engine.forward_cost import UNKNOWN, Fit
-from specmesh.guesses import MAX_GUESSES, GuessRate, best_num_guesses, guess
+from specmesh.engine.guesses import MAX_GUESSES, GuessRate, best_num_guesses, guess
 from specmesh.models import resolve_model_dir
-from specmesh.sampling import SamplingParams
+from specmesh.spec.sampling import SamplingParams
 from tests.stack import start_verifier
 from tests.test_decode_ahead import ahead_metric, target_only, wait_ahead
 from tests.test_e2e_greedy import PROMPTS, wait_blocks_free

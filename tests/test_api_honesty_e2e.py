@@ -13,10 +13,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from specmesh import client
-from specmesh.logit_transforms import adjust_chain
 from specmesh.models import resolve_model_dir
-from specmesh.sampling import SamplingParams, logits_to_probs
+from specmesh.ops import client
+from specmesh.spec.logit_transforms import adjust_chain
+from specmesh.spec.sampling import SamplingParams, logits_to_probs
 from tests.chi_square import MIN_PVALUE, fit
 from tests.stack import start_draft, start_gateway, start_verifier
 

@@ -17,7 +17,7 @@ from protos.specmesh.v1 import (
     verifier_pb2,
     verifier_pb2_grpc,
 )
-from specmesh import client
+from specmesh.ops import client
 from tests.stack import start_draft, start_gateway, start_verifier
 
 

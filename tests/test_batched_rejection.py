@@ -1,4 +1,4 @@
-"""The batched greedy verify agrees with the chain oracle `specmesh.rejection.verify_greedy` on every request."""
+"""The batched greedy verify agrees with the chain oracle `specmesh.spec.rejection.verify_greedy` on every request."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specmesh.engine.batched_rejection import greedy_accept, greedy_verify_batch
-from specmesh.rejection import verify_greedy
+from specmesh.spec.rejection import verify_greedy
 
 
 def test_batched_greedy_verify_equals_the_oracle_per_request() -> None:

@@ -1,5 +1,5 @@
 """Cleanup that completes: EndSession retried with backoff until done (gateway/cleanup.py), the draft service's
-Propose / EndSession race closed (specmesh/ended_sessions.py), and the health probe's NOT_SERVING time on a
+Propose / EndSession race closed (draft_service/ended_sessions.py), and the health probe's NOT_SERVING time on a
 virtual clock (gateway/health.py)."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import grpc
 import pytest
 import pytest_asyncio
 
+from draft_service.ended_sessions import EndedSessions
 from gateway.cleanup import backoff_s, end_until_done
 from gateway.health import VerifierWatch
 from gateway.replicas import VerifierPool
 from protos.specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verifier_pb2
-from specmesh.ended_sessions import EndedSessions
 from tests.stack import Running, start_draft
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
@@ -200,7 +200,7 @@ class FlakyVerifier:
 async def test_a_generation_ends_its_verifier_session_after_failures() -> None:
     from gateway.round_loop import Generation
     from gateway.validation import GenerationParams
-    from specmesh.sampling import SamplingParams
+    from specmesh.spec.sampling import SamplingParams
 
     verifier = FlakyVerifier()
     params = GenerationParams("r", [1, 2], SamplingParams(), 4, (), 0, True)

@@ -18,11 +18,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from specmesh import __version__, cli, client
+from specmesh import __version__
 from specmesh.config import GatewayConfig, load_config
-from specmesh.launcher import ChildOutput, Stack, StartError, port_is_free, wait_child_ready
 from specmesh.models import real_pair
 from specmesh.models.catalog import check_model_ref
+from specmesh.ops import cli, client
+from specmesh.ops.launcher import ChildOutput, Stack, StartError, port_is_free, wait_child_ready
 
 PROMPT = "def fibonacci(n):"
 
@@ -38,7 +39,7 @@ def free_ports(count: int) -> list[int]:
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "specmesh.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "specmesh.ops.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
@@ -246,7 +247,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Po
         (ports["metrics-port"],) = free_ports(1)
     trace_file = tmp_path_factory.mktemp("up") / "spans.jsonl"
     args = [a for name, port in ports.items() for a in (f"--{name}", str(port))]
-    proc = subprocess.Popen([sys.executable, "-m", "specmesh.cli", "up", "--preset", "tiny", *args,
+    proc = subprocess.Popen([sys.executable, "-m", "specmesh.ops.cli", "up", "--preset", "tiny", *args,
                              "--trace-file", str(trace_file)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True)
     try:

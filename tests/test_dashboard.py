@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from draft_service.server import build_draft
 from gateway.server import build_gateway
-from specmesh import client
 from specmesh.config import DraftConfig, EngineConfig, GatewayConfig, TelemetryConfig, VerifierConfig
+from specmesh.ops import client
 from tests.stack import Running
 from verifier_service.server import build_verifier
 

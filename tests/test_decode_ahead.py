@@ -16,7 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from specmesh.models import resolve_model_dir
-from specmesh.sampling import SamplingParams
+from specmesh.spec.sampling import SamplingParams
 from tests.stack import reference_greedy, start_verifier
 from tests.test_e2e_greedy import PROMPTS, wait_blocks_free
 from verifier_service.ahead import match_ahead, subtree

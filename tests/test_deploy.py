@@ -18,7 +18,7 @@ import yaml
 from grpc_health.v1 import health_pb2
 
 from specmesh.config import DraftConfig, GatewayConfig, VerifierConfig, _flat_fields
-from specmesh.grpc_server import ServiceServer, serve_until_signal
+from specmesh.rpc.grpc_server import ServiceServer, serve_until_signal
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 CONFIGS = {"GATEWAY": GatewayConfig, "VERIFIER": VerifierConfig, "DRAFT": DraftConfig}
@@ -56,7 +56,7 @@ def test_compose_env_ports_and_health_checks_match_the_code() -> None:
         env = svc["environment"]
         _check_env_names(env, f"compose {name}")
         port = env[f"SPECMESH_{prefix}_PORT"]
-        assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "specmesh.healthcheck", f"127.0.0.1:{port}"]
+        assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "specmesh.ops.healthcheck", f"127.0.0.1:{port}"]
         assert f"{name}:{env[f'SPECMESH_{prefix}_METRICS_PORT']}" in targets, f"prometheus does not scrape {name}"
         assert float(svc["stop_grace_period"].rstrip("s")) > DRAIN_S
     gateway = services["gateway"]["environment"]
@@ -73,7 +73,7 @@ def test_compose_tls_overlay_uses_real_settings_and_the_certificates_make_certs_
         _check_env_names(env, f"compose TLS overlay {name}")
         assert env[f"SPECMESH_{prefix}_TLS_CERT"] == f"/certs/{name}.pem"
         probe = overlay[name]["healthcheck"]["test"]
-        assert probe[:4] == ["CMD", "python", "-m", "specmesh.healthcheck"] and "/certs/ca.pem" in probe
+        assert probe[:4] == ["CMD", "python", "-m", "specmesh.ops.healthcheck"] and "/certs/ca.pem" in probe
         if f"SPECMESH_{prefix}_TLS_CLIENT_CA" in env:                  # mutual TLS: the probe shows a certificate
             assert f"/certs/{name}.pem" in probe
     assert "for name in verifier draft gateway; do" in make_certs            # signed by the internal CA (ca.pem)
@@ -167,8 +167,9 @@ def test_k8s_gateway_discovers_replicas_through_headless_services() -> None:
 
 
 async def _healthcheck(addr: str) -> tuple[int, str]:
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "specmesh.healthcheck", addr, "--timeout", "2",
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "specmesh.ops.healthcheck", addr,
+                                                "--timeout", "2", stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.STDOUT)
     out, _ = await proc.communicate()
     return proc.returncode, out.decode()
 

@@ -10,9 +10,9 @@ from transformers import AutoTokenizer
 
 from gateway.discovery import Discovery, Entry, parse_addrs
 from gateway.server import build_gateway_parts
-from specmesh import client
 from specmesh.config import GatewayConfig
 from specmesh.models import resolve_model_dir
+from specmesh.ops import client
 from tests.stack import reference_greedy, start_verifier
 from tests.test_placement import CountingStub
 

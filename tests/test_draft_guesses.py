@@ -1,5 +1,5 @@
-"""Prompt-lookup guesses in draft forwards (draft_service/engine.py, specmesh/guesses.py): a greedy session's draft
-forward also runs guesses of its next tokens, and every guess equal to the draft's argmax is a draft token without
+"""Prompt-lookup guesses in draft forwards (draft_service/engine.py, specmesh/engine/guesses.py): a greedy session's
+draft forward also runs guesses of its next tokens, and every guess equal to the draft's argmax is a draft token without
 a forward of its own.
 
 The tiny draft's random-weight output never repeats itself, so an oracle that knows its greedy drafts (and spoils
@@ -10,7 +10,7 @@ are batch-invariant), in fewer forwards; sampled sessions never guess.
 from __future__ import annotations
 
 from specmesh.engine.forward_cost import Fit
-from specmesh.sampling import SamplingParams
+from specmesh.spec.sampling import SamplingParams
 from tests.stack import start_draft
 
 CONTEXT = [(7 * i + 3) % 200 + 10 for i in range(60)]

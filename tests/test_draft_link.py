@@ -26,7 +26,7 @@ from gateway.drafters import ModelDrafter
 from protos.specmesh.v1 import draft_pb2_grpc
 from specmesh.config import DraftConfig, EngineConfig
 from specmesh.engine.loop import EngineError
-from specmesh.sampling import SamplingParams
+from specmesh.spec.sampling import SamplingParams
 from tests.stack import Running, start_draft
 
 # ---- 1. client state machine x scripted service ---------------------------------------------------------------

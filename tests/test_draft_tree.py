@@ -15,12 +15,12 @@ from gateway.draft_tree import build_tree, main_chain_len
 from gateway.drafters import NO_DRAFT, Draft, ModelDrafter
 from gateway.round_outcomes import RoundOutcomes, classify
 from protos.specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from specmesh import client
 from specmesh.models import resolve_model_dir
-from specmesh.rejection import SparseDist
-from specmesh.sampling import SamplingParams
-from specmesh.tree import check_parents
-from specmesh.tree_rejection import tree_rejection_sample
+from specmesh.ops import client
+from specmesh.spec.rejection import SparseDist
+from specmesh.spec.sampling import SamplingParams
+from specmesh.spec.tree import check_parents
+from specmesh.spec.tree_rejection import tree_rejection_sample
 from tests.chi_square import MIN_PVALUE, fit
 from tests.stack import reference_greedy, start_draft, start_gateway, start_verifier
 

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from specmesh import cli, launcher
 from specmesh.config import DTYPE_CHOICES, DraftConfig, EngineConfig, VerifierConfig, load_config
 from specmesh.engine.build import build_engine_parts
 from specmesh.engine.dtype_choice import resolve_dtype
+from specmesh.ops import cli, launcher
 from tests.test_cli import free_ports
 
 REAL = "qwen2.5-coder-1.5b"
@@ -67,8 +67,8 @@ def test_the_service_logs_its_choice_at_start(caplog: pytest.LogCaptureFixture) 
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "specmesh.cli", *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run([sys.executable, "-m", "specmesh.ops.cli", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
 
 
 def test_a_bad_dtype_flag_is_one_line_naming_the_choices() -> None:

@@ -10,8 +10,8 @@ import pytest_asyncio
 from transformers import AutoTokenizer
 
 from protos.specmesh.v1 import common_pb2, generate_pb2_grpc
-from specmesh import client
 from specmesh.models import resolve_model_dir
+from specmesh.ops import client
 from tests.stack import reference_greedy, start_draft, start_gateway, start_verifier
 
 PROMPTS = [

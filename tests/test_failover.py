@@ -15,9 +15,9 @@ from transformers import AutoTokenizer
 from gateway.draft_link import BACKOFF_ROUNDS
 from gateway.server import Gateway, build_gateway_parts
 from protos.specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from specmesh import client
 from specmesh.config import GatewayConfig
 from specmesh.models import resolve_model_dir
+from specmesh.ops import client
 from specmesh.telemetry.tracing import add_exporter
 from tests.stack import reference_greedy, start_draft, start_gateway, start_verifier
 from tests.test_faults import PROMPT, free_port, spawn

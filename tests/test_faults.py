@@ -15,9 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoTokenizer
 
 from protos.specmesh.v1 import generate_pb2_grpc
-from specmesh import client
-from specmesh.launcher import wait_serving
 from specmesh.models import resolve_model_dir
+from specmesh.ops import client
+from specmesh.ops.launcher import wait_serving
 from tests.stack import reference_greedy, start_gateway, start_verifier
 from tests.test_e2e_greedy import wait_blocks_free
 

@@ -15,10 +15,10 @@ import pytest_asyncio
 from draft_service.servicer import DraftServicer
 from gateway.openai_http import ServedModel, start_openai_http
 from protos.specmesh.v1 import common_pb2, draft_pb2, generate_pb2, generate_pb2_grpc, verifier_pb2
-from specmesh import client
 from specmesh.config import GatewayConfig, InputLimits, load_config
 from specmesh.engine.errors import EngineError
-from specmesh.leases import SessionLeases
+from specmesh.ops import client
+from specmesh.rpc.leases import SessionLeases
 from tests.stack import start_gateway, start_verifier
 from verifier_service.servicer import VerifierServicer
 

@@ -20,8 +20,8 @@ from gateway.server import load_tokenizer
 from gateway.servicer import GenerationServicer, ModelInfo
 from gateway.upstream_errors import public_details
 from protos.specmesh.v1 import common_pb2, draft_pb2_grpc, generate_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from specmesh import client
 from specmesh.config import DraftConfig, EngineConfig, GatewayConfig, VerifierConfig
+from specmesh.ops import client
 from tests.stack import Running, start_gateway
 from verifier_service.server import build_verifier
 

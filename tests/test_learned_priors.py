@@ -15,8 +15,8 @@ from gateway.suffix_choice import LOCAL, MODEL, ProposerChoice
 from gateway.suffix_tree import Proposal
 from gateway.verify_cost import VerifyCost
 from protos.specmesh.v1 import generate_pb2_grpc
-from specmesh import client
 from specmesh.models import resolve_model_dir
+from specmesh.ops import client
 from tests.stack import reference_greedy, start_draft, start_gateway, start_verifier
 from tests.test_adaptive import run_rounds
 

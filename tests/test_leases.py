@@ -1,4 +1,4 @@
-"""The lease table (specmesh/leases.py) on a fake clock: ownership, idle expiry, in-flight calls, close."""
+"""The lease table (specmesh/rpc/leases.py) on a fake clock: ownership, idle expiry, in-flight calls, close."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import pytest
 
 from specmesh.engine.loop import EngineError
-from specmesh.leases import (
+from specmesh.rpc.leases import (
     MAX_SESSION_ID_BYTES,
     SessionLeases,
     check_owner_token,

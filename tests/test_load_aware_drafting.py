@@ -13,7 +13,7 @@ import pytest
 from gateway.adaptive import AdaptiveParams, DraftLengthController
 from gateway.suffix_choice import LOCAL, NONE, ProposerChoice
 from gateway.verify_cost import VerifyCost, forward_units, load_penalty, reported
-from specmesh.sampling import SamplingParams
+from specmesh.spec.sampling import SamplingParams
 from tests.stack import start_draft, start_gateway, start_verifier
 from tests.test_e2e_greedy import PROMPTS, generate
 from tests.test_forward_cost import verifier_with_forward_time

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
-from specmesh.logit_transforms import adjust_chain, adjust_logits, adjust_tree, chain_seen, tree_seen
-from specmesh.rejection import SparseDist, rejection_sample
-from specmesh.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from specmesh.spec.logit_transforms import adjust_chain, adjust_logits, adjust_tree, chain_seen, tree_seen
+from specmesh.spec.rejection import SparseDist, rejection_sample
+from specmesh.spec.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from tests.chi_square import MIN_PVALUE, fit
 
 

@@ -12,10 +12,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from protos.specmesh.v1 import generate_pb2_grpc
-from specmesh import client
 from specmesh.engine.errors import EngineError
 from specmesh.models import resolve_model_dir
-from specmesh.sampling import SamplingParams
+from specmesh.ops import client
+from specmesh.spec.sampling import SamplingParams
 from tests.stack import reference_greedy, start_draft, start_gateway, start_verifier
 from tests.test_e2e_greedy import PROMPTS, generate, wait_blocks_free
 

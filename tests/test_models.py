@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specmesh.config import default_cache_dir
 from specmesh.models import (
     FETCH_COMMAND,
     TINY_DRAFT,
@@ -20,7 +21,6 @@ from specmesh.models import (
     LoadedModel,
     assemble_gguf,
     build_tiny_models,
-    default_cache_dir,
     load_model,
     real_pair,
     resolve_model_dir,

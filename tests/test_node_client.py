@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 
 from protos.specmesh.v1 import generate_pb2
-from specmesh import client
+from specmesh.ops import client
 from tests.stack import start_draft, start_gateway, start_verifier
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ import pytest
 import pytest_asyncio
 
 from gateway.openai_http import ServedModel, start_openai_http
-from specmesh import client
+from specmesh.ops import client
 from tests.stack import start_draft, start_gateway, start_verifier
 
 PROMPT = "The quick brown fox"

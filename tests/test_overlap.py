@@ -11,8 +11,8 @@ import pytest
 import pytest_asyncio
 from transformers import AutoTokenizer
 
-from specmesh import client
 from specmesh.models import resolve_model_dir
+from specmesh.ops import client
 from tests.stack import reference_greedy, start_draft, start_gateway, start_verifier
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):\n    return", "1, 2, 3, 4,"]

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from protos.specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 from specmesh.engine.loop import EngineError
 from specmesh.models import resolve_model_dir
-from specmesh.sampling import SamplingParams
+from specmesh.spec.sampling import SamplingParams
 from tests.stack import reference_greedy, start_draft, start_gateway, start_verifier
 from tests.test_e2e_greedy import PROMPTS, generate, wait_blocks_free
 

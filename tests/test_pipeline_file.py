@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from specmesh import cli
 from specmesh.config import DraftConfig, VerifierConfig, load_config
-from specmesh.pipeline_file import PipelineError, format_file, parse
-from specmesh.pipeline_map import generate_flags, request, resolve, service_flags, stack_config
+from specmesh.ops import cli
+from specmesh.ops.pipeline_file import PipelineError, format_file, parse
+from specmesh.ops.pipeline_map import generate_flags, request, resolve, service_flags, stack_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "pipelines"
 SEED = '''model draft "qwen2.5-coder-0.5b" { device: cpu  max_batch: 8 }

@@ -6,8 +6,8 @@ import pytest
 
 from gateway.placement import OVERLOAD_SLACK, ReplicaView, place, prefix_key, rendezvous_rank
 from gateway.server import build_gateway_parts
-from specmesh import client
 from specmesh.config import GatewayConfig
+from specmesh.ops import client
 from tests.stack import start_verifier
 
 NAMES = ["10.0.0.1:50061", "10.0.0.2:50061", "10.0.0.3:50061"]

@@ -14,7 +14,7 @@ from draft_service.engine import Drafts
 from gateway.drafters import Draft, ModelDrafter
 from protos.specmesh.v1 import common_pb2, draft_pb2_grpc
 from specmesh.engine.loop import EngineError
-from specmesh.sampling import SamplingParams
+from specmesh.spec.sampling import SamplingParams
 from tests.stack import start_draft
 
 CONTEXT = [(7 * i + 3) % 200 + 10 for i in range(120)]

@@ -23,10 +23,10 @@ from gateway.replicas import VerifierPool
 from gateway.server import load_tokenizer
 from gateway.servicer import GenerationServicer, ModelInfo
 from protos.specmesh.v1 import common_pb2, generate_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from specmesh import client
 from specmesh.config import EngineConfig, GatewayConfig, VerifierConfig
 from specmesh.engine.errors import EngineError
-from specmesh.security import parse_api_keys
+from specmesh.ops import client
+from specmesh.rpc.security import parse_api_keys
 from tests.stack import Running, start_gateway, start_verifier
 from verifier_service.server import build_verifier
 from verifier_service.tenant_share import TenantShare

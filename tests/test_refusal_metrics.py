@@ -9,8 +9,8 @@ import pytest_asyncio
 
 from gateway.server import build_gateway_parts
 from protos.specmesh.v1 import generate_pb2_grpc
-from specmesh import client
 from specmesh.config import GatewayConfig
+from specmesh.ops import client
 from tests.stack import start_verifier
 
 GENERATE = "/specmesh.v1.Generation/Generate"

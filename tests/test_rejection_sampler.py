@@ -1,4 +1,4 @@
-"""Tests for specmesh.rejection (sampling helpers: tests/test_sampling.py).
+"""Tests for specmesh.spec.rejection (sampling helpers: tests/test_sampling.py).
 
 The statistical tests check losslessness of speculative sampling: for every position j,
 conditioned on the first j drafts being accepted, the emitted token emitted[j] must be
@@ -16,13 +16,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specmesh.rejection import (
+from specmesh.spec.rejection import (
     SparseDist,
     num_accepted,
     rejection_sample,
     verify_greedy,
 )
-from specmesh.sampling import (
+from specmesh.spec.sampling import (
     SamplingParams,
     logits_to_probs,
     make_generator,

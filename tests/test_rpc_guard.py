@@ -1,4 +1,4 @@
-"""specmesh/rpc_guard.py on a real ServiceServer: EngineError -> its status, anything else -> INTERNAL with a logged
+"""specmesh/rpc/rpc_guard.py on a real ServiceServer: EngineError -> its status, anything else -> INTERNAL with a logged
 traceback (never UNKNOWN), for unary and server-streaming methods; undecodable bytes -> INVALID_ARGUMENT."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest_asyncio
 from google.protobuf import wrappers_pb2
 
 from specmesh.engine.loop import EngineError
-from specmesh.grpc_server import ServiceServer
+from specmesh.rpc.grpc_server import ServiceServer
 
 SERVICE = "test.Guarded"
 
@@ -78,7 +78,7 @@ async def test_errors_map_to_status_codes(addr: str, method: str, caplog: pytest
     assert code == grpc.StatusCode.OK and received[-1] == value("ok:fine")
     code, details, _ = await call(addr, method, value("engine"))
     assert (code, details) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue is full")
-    with caplog.at_level(logging.ERROR, logger="specmesh.rpc_guard"):
+    with caplog.at_level(logging.ERROR, logger="specmesh.rpc.rpc_guard"):
         code, details, received = await call(addr, method, value("bug"))
     assert code == grpc.StatusCode.INTERNAL and "KeyError" in details
     assert any(r.exc_info and r.exc_info[0] is KeyError and method in r.getMessage() for r in caplog.records)

@@ -1,4 +1,4 @@
-"""Tests for specmesh.sampling: sampling parameters, logits -> probabilities, and the sampling helpers."""
+"""Tests for specmesh.spec.sampling: sampling parameters, logits -> probabilities, and the sampling helpers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from specmesh.sampling import (
+from specmesh.spec.sampling import (
     SamplingParams,
     inverse_cdf_index,
     logits_to_probs,

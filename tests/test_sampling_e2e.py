@@ -1,6 +1,6 @@
 """Invariant 2 through the full stack: sampled tokens follow the target's (processed) distribution exactly,
 whether the drafts are accepted (identical draft) or mostly rejected (unrelated draft: residual resampling), for
-unseeded requests (rejection sampling) and seeded ones (position-keyed Gumbel-max, specmesh/seeded.py: one sample
+unseeded requests (rejection sampling) and seeded ones (position-keyed Gumbel-max, specmesh/spec/seeded.py: one sample
 per seed)."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specmesh import client
 from specmesh.models import resolve_model_dir
-from specmesh.sampling import SamplingParams, logits_to_probs
+from specmesh.ops import client
+from specmesh.spec.sampling import SamplingParams, logits_to_probs
 from tests.stack import start_draft, start_gateway, start_verifier
 
 PROMPT = "The quick brown fox"

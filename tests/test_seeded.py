@@ -1,4 +1,4 @@
-"""Seeded sampling (specmesh/seeded.py): exact in distribution, and the emitted sequence does not depend on drafts.
+"""Seeded sampling (specmesh/spec/seeded.py): exact in distribution, and the emitted sequence does not depend on drafts.
 
 The model here is a toy: the target's distribution after a context is a fixed function of the context, so the
 sequence k = 0 decoding emits is the reference, and verifying any chain or tree of drafts must emit exactly it."""
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from specmesh.seeded import accept_chain, accept_tree, exponentials, seeded_sparse, seeded_token
-from specmesh.tree import depths
+from specmesh.spec.seeded import accept_chain, accept_tree, exponentials, seeded_sparse, seeded_token
+from specmesh.spec.tree import depths
 from tests.chi_square import MIN_PVALUE, fit
 
 VOCAB = 6

@@ -23,12 +23,12 @@ from transformers import AutoTokenizer
 from draft_service.server import build_draft
 from gateway.drafters import ModelDrafter
 from protos.specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, generate_pb2, verifier_pb2, verifier_pb2_grpc
-from specmesh import client
 from specmesh.config import DraftConfig, EngineConfig, VerifierConfig
-from specmesh.grpc_server import ServiceServer
-from specmesh.launcher import wait_serving
 from specmesh.models import resolve_model_dir
-from specmesh.sampling import SamplingParams
+from specmesh.ops import client
+from specmesh.ops.launcher import wait_serving
+from specmesh.rpc.grpc_server import ServiceServer
+from specmesh.spec.sampling import SamplingParams
 from tests.stack import Running, reference_greedy, start_draft, start_gateway, start_verifier
 from tests.test_faults import free_port
 from verifier_service.server import build_verifier

@@ -11,7 +11,7 @@ import random
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from specmesh.sampling import SamplingParams
+from specmesh.spec.sampling import SamplingParams
 from specmesh.telemetry.tracing import add_exporter
 from tests.stack import reference_greedy, start_verifier
 from tests.test_paged_verifier import handle_posted

@@ -14,8 +14,8 @@ from kvstore.derive import key_names_key, values_key
 from kvstore.keys import KeyDeriver
 from kvstore.suffix_store import SUFFIX_PREFIX
 from protos.specmesh.v1 import common_pb2, generate_pb2_grpc
-from specmesh import client
 from specmesh.models import resolve_model_dir
+from specmesh.ops import client
 from tests.redis_server import RedisServer
 from tests.stack import reference_greedy, start_draft, start_gateway, start_verifier
 from tests.test_tiers import settle

@@ -18,8 +18,8 @@ import pytest_asyncio
 from transformers import AutoTokenizer
 
 from gateway.suffix_choice import GLOBAL, ProposerChoice
-from specmesh import client
 from specmesh.models import resolve_model_dir
+from specmesh.ops import client
 from tests.stack import start_gateway, start_verifier
 from tests.test_sampling_e2e import NUM_SAMPLES, PARAMS, PROMPT, assert_follows, target_probs
 

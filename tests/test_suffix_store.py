@@ -22,7 +22,7 @@ from kvstore.factory import CacheSettings
 from kvstore.keys import KeyDeriver
 from kvstore.suffix_store import SUFFIX_PREFIX, MemorySuffixStore, RedisSuffixStore, open_suffix_store
 from protos.specmesh.v1 import common_pb2
-from specmesh.sampling import SamplingParams
+from specmesh.spec.sampling import SamplingParams
 from tests.redis_server import RedisServer
 
 SECRET = "suffix-secret"

@@ -19,7 +19,7 @@ from gateway.suffix_tree import CountNode, accepted_nodes, merge_tries, speculat
 from gateway.tiers import DraftTiers, TierSettings
 from gateway.verify_cost import VerifyCost
 from protos.specmesh.v1 import common_pb2
-from specmesh.rejection import SparseDist
+from specmesh.spec.rejection import SparseDist
 
 MODEL_SOURCE = common_pb2.DRAFT_SOURCE_MODEL
 

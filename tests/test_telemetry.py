@@ -17,12 +17,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 
 from draft_service.server import build_draft
+from gateway.channels import internal_channel
 from gateway.health import VerifierWatch
 from gateway.replicas import VerifierPool
 from protos.specmesh.v1 import common_pb2, generate_pb2_grpc, verifier_pb2_grpc
-from specmesh import cli, client
-from specmesh.channels import internal_channel
 from specmesh.config import DraftConfig, EngineConfig, TelemetryConfig, VerifierConfig
+from specmesh.ops import cli, client
 from specmesh.telemetry.span_file import JsonLinesSpanExporter, span_to_dict
 from specmesh.telemetry.tracing import add_exporter
 from tests.stack import Running, start_gateway

@@ -12,9 +12,16 @@ import pytest_asyncio
 
 from gateway.openai_http import ServedModel, start_openai_http
 from protos.specmesh.v1 import common_pb2, generate_pb2_grpc
-from specmesh import client
 from specmesh.config import GatewayConfig
-from specmesh.security import DEFAULT_TENANT, Denied, load_api_keys, parse_api_keys, resolve_tenant, unbound_key_tenant
+from specmesh.ops import client
+from specmesh.rpc.security import (
+    DEFAULT_TENANT,
+    Denied,
+    load_api_keys,
+    parse_api_keys,
+    resolve_tenant,
+    unbound_key_tenant,
+)
 from tests.stack import start_gateway, start_verifier
 
 KEYS = {"key-a": "acme", "key-b": "beta", "key-plain": ""}

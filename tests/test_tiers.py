@@ -22,10 +22,10 @@ from kvstore.derive import key_names_key, values_key
 from kvstore.keys import KeyDeriver
 from kvstore.memory import MemoryDraftCache
 from protos.specmesh.v1 import common_pb2, generate_pb2_grpc
-from specmesh import client
 from specmesh.models import resolve_model_dir
-from specmesh.ngram import propose_ngram
-from specmesh.sampling import SamplingParams
+from specmesh.ops import client
+from specmesh.spec.ngram import propose_ngram
+from specmesh.spec.sampling import SamplingParams
 from tests.redis_server import RedisServer
 from tests.stack import reference_greedy, start_draft, start_gateway, start_verifier
 

@@ -22,9 +22,9 @@ from draft_service.server import build_draft
 from gateway.openai_http import ServedModel, loopback_channel_factory, start_openai_http
 from gateway.server import build_gateway
 from protos.specmesh.v1 import common_pb2, draft_pb2_grpc, generate_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from specmesh import client
 from specmesh.config import DraftConfig, EngineConfig, GatewayConfig, TlsConfig, VerifierConfig
-from specmesh.security import peer_interceptors, peer_names, server_credentials
+from specmesh.ops import client
+from specmesh.rpc.security import peer_interceptors, peer_names, server_credentials
 from tests.test_node_client import ensure_node_client, run_node
 from verifier_service.server import build_verifier
 
@@ -187,7 +187,7 @@ async def test_health_stays_open_and_healthcheck_cli_speaks_tls(stack, certs) ->
         reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
     for extra, expected in ((["--ca", str(certs["good"] / "ca.pem")], 0), ([], 2)):
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "specmesh.healthcheck", stack["gateway"],
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "specmesh.ops.healthcheck", stack["gateway"],
                                                     *extra, stdout=asyncio.subprocess.DEVNULL,
                                                     stderr=asyncio.subprocess.DEVNULL)
         assert await proc.wait() == expected

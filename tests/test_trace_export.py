@@ -17,8 +17,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import Link, SpanKind
 
-from specmesh import cli
 from specmesh.config import TelemetryConfig
+from specmesh.ops import cli
 from specmesh.telemetry.span_file import JsonLinesSpanExporter
 from specmesh.telemetry.tracing import make_exporter, service_resource
 

@@ -1,5 +1,5 @@
-"""Token trees: bookkeeping (specmesh/tree.py) and greedy / sampled tree verification against the chain oracle
-(specmesh/rejection.py). Statistical exactness of tree sampling: tests/test_tree_rejection.py."""
+"""Token trees: bookkeeping (specmesh/spec/tree.py) and greedy / sampled tree verification against the chain oracle
+(specmesh/spec/rejection.py). Statistical exactness of tree sampling: tests/test_tree_rejection.py."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specmesh.rejection import SparseDist, rejection_sample, verify_greedy
-from specmesh.sampling import make_generator, sparsify
-from specmesh.tree import (
+from specmesh.spec.rejection import SparseDist, rejection_sample, verify_greedy
+from specmesh.spec.sampling import make_generator, sparsify
+from specmesh.spec.tree import (
     ancestor_mask,
     block_layout,
     chain_parents,
@@ -22,7 +22,7 @@ from specmesh.tree import (
     path_to,
     visible_rows,
 )
-from specmesh.tree_rejection import tree_rejection_sample, verify_tree_greedy
+from specmesh.spec.tree_rejection import tree_rejection_sample, verify_tree_greedy
 
 #          root
 #        /   |   \

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from specmesh.engine.build import QUANTIZERS
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
 from specmesh.models import resolve_model_dir
-from specmesh.tree import path_to
+from specmesh.spec.tree import path_to
 
 BLOCK = 16
 TABLE = list(range(64))            # the identity: slot == position

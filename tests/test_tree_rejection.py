@@ -1,4 +1,4 @@
-"""Statistical exactness of tree rejection sampling (specmesh/tree_rejection.py), with the chi-square harness of
+"""Statistical exactness of tree rejection sampling (specmesh/spec/tree_rejection.py), with the chi-square harness of
 tests/test_rejection_sampler.py: for every tree, the first emitted token is distributed as p after the root, and the
 second, given the first, as p after that token. A broken tree sampler (no residual update) must fail the same test.
 
@@ -16,8 +16,8 @@ from zlib import crc32
 import pytest
 import torch
 
-from specmesh.rejection import SparseDist
-from specmesh.sampling import (
+from specmesh.spec.rejection import SparseDist
+from specmesh.spec.sampling import (
     SamplingParams,
     inverse_cdf_index,
     logits_to_probs,
@@ -25,8 +25,8 @@ from specmesh.sampling import (
     sample_sparse,
     sparsify,
 )
-from specmesh.tree import ROOT, children, path_to
-from specmesh.tree_rejection import tree_rejection_sample
+from specmesh.spec.tree import ROOT, children, path_to
+from specmesh.spec.tree_rejection import tree_rejection_sample
 from tests.chi_square import MIN_PVALUE, fit
 
 V = 8

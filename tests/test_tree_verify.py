@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from protos.specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specmesh.models import resolve_model_dir
-from specmesh.tree import depths
+from specmesh.spec.tree import depths
 from tests.stack import reference_greedy, start_verifier
 from tests.test_e2e_greedy import PROMPTS, wait_blocks_free
 

@@ -11,7 +11,7 @@ import pytest
 from gateway.replicas import VerifierPool
 from gateway.verifier_session import SessionLost, VerifierSession
 from protos.specmesh.v1 import verifier_pb2, verifier_pb2_grpc
-from specmesh.sampling import SamplingParams
+from specmesh.spec.sampling import SamplingParams
 
 
 def error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
@@ -123,7 +123,7 @@ async def test_a_moved_sampled_session_continues_from_the_targets_distribution()
     absolute position, so the move draws a position the first replica never drew)."""
     from transformers import AutoTokenizer
 
-    from specmesh.channels import internal_channel
+    from gateway.channels import internal_channel
     from specmesh.models import resolve_model_dir
     from tests.stack import start_verifier
     from tests.test_sampling_e2e import NUM_SAMPLES, PARAMS, PROMPT, assert_follows, target_probs

@@ -6,10 +6,10 @@ import torch
 from torch import nn
 from transformers import AutoTokenizer
 
-from specmesh import client
 from specmesh.engine.int8_linear import quantize_linears
 from specmesh.engine.vocab_head import SubsetHead, kept_token_ids, restrict_lm_head
 from specmesh.models import resolve_model_dir
+from specmesh.ops import client
 from tests.stack import reference_greedy, start_draft, start_gateway, start_verifier
 
 

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from specmesh.config import VerifierConfig, load_config
-from specmesh.grpc_server import serve_until_signal
+from specmesh.rpc.grpc_server import serve_until_signal
 from specmesh.telemetry.tracing import setup_tracing
 from verifier_service.server import build_verifier
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specmesh.tree import ROOT, chain_parents, children
+from specmesh.spec.tree import ROOT, chain_parents, children
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Decoding ahead, the verifier's idle work, on plain ints: which sessions decode ahead in a step, the guesses each
 carries, and the counts. The engine runs the forward (verifier_service/engine.py); what a verify does with the
-tokens decoded ahead is verifier_service/ahead.py; how many guesses pay is specmesh/guesses.py.
+tokens decoded ahead is verifier_service/ahead.py; how many guesses pay is specmesh/engine/guesses.py.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.forward_cost import Fit
-from specmesh.guesses import best_num_guesses, guess
+from specmesh.engine.guesses import best_num_guesses, guess
 from verifier_service.session import Session
 
 
@@ -33,7 +33,7 @@ class DecodeAhead:
     def __init__(self, max_tokens: int, max_model_len: int, eos_token_ids: frozenset[int]) -> None:
         self.max_tokens = max_tokens     # past what the caller received; 0: never decode ahead
         self.threads = 0                 # torch threads of a step that only decodes ahead; 0 = as any step
-        self.guesses = False             # steps carry prompt-lookup guesses (specmesh/guesses.py)
+        self.guesses = False             # steps carry prompt-lookup guesses (specmesh/engine/guesses.py)
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.counts = AheadCounts()

@@ -4,7 +4,7 @@ A session's state (plain ints): `token_ids` are its verified tokens (prompt + ou
 last of them, the target's own token, has no KV yet: it is run in the next forward, in front of the next drafts.
 Starting a session is a verify of zero drafts, so prefill and verification share one path.
 
-Token trees (`specmesh/tree.py`): a verify with `parents` runs `[pending token, node 0, ..., node n-1]` in one
+Token trees (`specmesh/spec/tree.py`): a verify with `parents` runs `[pending token, node 0, ..., node n-1]` in one
 forward with an ancestor mask (`ForwardItem.tree_parents`); all n + 1 tokens need logits, so the scheduler never
 splits them. Node i's KV lands in the slot of its index (position len(token_ids) + i). After sampling, the accepted
 path's KV is moved to contiguous positions (`ModelRunner.move_kv`), and the usual truncate drops the rest, so the
@@ -34,10 +34,10 @@ from specmesh.engine.forward_cost import Fit
 from specmesh.engine.loop import Completion, EngineError
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
 from specmesh.engine.scheduler import ForwardRequest, ScheduledItem, SeqState
-from specmesh.rejection import SparseDist
-from specmesh.sampling import SamplingParams, make_generator
+from specmesh.spec.rejection import SparseDist
+from specmesh.spec.sampling import SamplingParams, make_generator
+from specmesh.spec.tree import keep_shallow
 from specmesh.telemetry.metrics import StatsCollector
-from specmesh.tree import keep_shallow
 from verifier_service.ahead import match_ahead
 from verifier_service.decode_ahead import DecodeAhead
 from verifier_service.forward_share import ForwardShare, VerifyResult

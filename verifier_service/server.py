@@ -7,9 +7,9 @@ import asyncio
 from protos.specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 from specmesh.config import VerifierConfig
 from specmesh.engine.build import build_engine_parts
-from specmesh.grpc_server import ServiceServer
-from specmesh.leases import SessionLeases, reap_forever
-from specmesh.security import peer_interceptors, server_credentials
+from specmesh.rpc.grpc_server import ServiceServer
+from specmesh.rpc.leases import SessionLeases, reap_forever
+from specmesh.rpc.security import peer_interceptors, server_credentials
 from specmesh.telemetry.metrics import SessionMetrics, start_metrics
 from verifier_service.engine import VerifierEngine
 from verifier_service.servicer import VerifierServicer

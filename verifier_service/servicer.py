@@ -1,7 +1,7 @@
 """Thin gRPC servicer of the verifier: validate, check the session's owner, delegate to the engine.
 
-Errors are raised (EngineError) and mapped to status codes in one place, `specmesh/rpc_guard.py`.
-Sessions are owned and leased (`specmesh/leases.py`): StartSession returns an owner token that Verify and
+Errors are raised (EngineError) and mapped to status codes in one place, `specmesh/rpc/rpc_guard.py`.
+Sessions are owned and leased (`specmesh/rpc/leases.py`): StartSession returns an owner token that Verify and
 EndSession must present (else PERMISSION_DENIED), and a session idle for the lease period is ended by the
 service's reaper task (verifier_service/server.py).
 """
@@ -15,11 +15,11 @@ import grpc
 from protos.specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specmesh.config import InputLimits
 from specmesh.engine.loop import EngineError
-from specmesh.grpc_server import deadline_of
-from specmesh.leases import SessionLeases, check_session_id
-from specmesh.limits import check_token_ids
-from specmesh.proto_convert import sampling_from_proto, sparse_dists_from_proto
-from specmesh.tree import check_parents
+from specmesh.rpc.grpc_server import deadline_of
+from specmesh.rpc.leases import SessionLeases, check_session_id
+from specmesh.rpc.limits import check_token_ids
+from specmesh.rpc.proto_convert import sampling_from_proto, sparse_dists_from_proto
+from specmesh.spec.tree import check_parents
 from verifier_service.engine import VerifierEngine, VerifyResult
 from verifier_service.tenant_share import TenantShare
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specmesh.engine.guesses import GuessRate
 from specmesh.engine.scheduler import SeqState
-from specmesh.guesses import GuessRate
-from specmesh.sampling import SamplingParams
+from specmesh.spec.sampling import SamplingParams
 
 
 @dataclass

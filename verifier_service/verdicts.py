@@ -1,8 +1,9 @@
-"""A verify block's verdict from the target's logits: greedy, seeded (specmesh/seeded.py) or rejection sampling.
+"""A verify block's verdict from the target's logits: greedy, seeded (specmesh/spec/seeded.py) or rejection sampling.
 
-Every path first applies the session's logit transforms (repetition_penalty, logit_bias: specmesh/logit_transforms.py)
-row by row, each row seeing the context plus the drafts before it, exactly as the draft service does for q. Row i of
-a chain (row r of a tree, at depth d) is the target's distribution for absolute position len(context) + i (+ d).
+Every path first applies the session's logit transforms (repetition_penalty, logit_bias:
+specmesh/spec/logit_transforms.py) row by row, each row seeing the context plus the drafts before it, exactly as the
+draft service does for q. Row i of a chain (row r of a tree, at depth d) is the target's distribution for absolute
+position len(context) + i (+ d).
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specmesh.engine.batched_rejection import greedy_accept
-from specmesh.logit_transforms import adjust_chain, adjust_tree
-from specmesh.rejection import SparseDist, rejection_sample
-from specmesh.sampling import logits_to_probs
-from specmesh.seeded import accept_chain, accept_tree, seeded_token
-from specmesh.tree_rejection import tree_rejection_sample, verify_tree_greedy
+from specmesh.spec.logit_transforms import adjust_chain, adjust_tree
+from specmesh.spec.rejection import SparseDist, rejection_sample
+from specmesh.spec.sampling import logits_to_probs
+from specmesh.spec.seeded import accept_chain, accept_tree, seeded_token
+from specmesh.spec.tree_rejection import tree_rejection_sample, verify_tree_greedy
 from verifier_service.session import Session
 
 

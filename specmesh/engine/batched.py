@@ -20,10 +20,17 @@ from specmesh.engine.forward_cost import ForwardCost
 from specmesh.engine.loop import EngineError, EngineThread
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
 from specmesh.engine.prefill_wait import PrefillClock
-from specmesh.engine.scheduler import ForwardRequest, ScheduledItem, Scheduler, SeqState
+from specmesh.engine.scheduler import (
+    ForwardRequest,
+    ScheduledItem,
+    Scheduler,
+    SeqState,
+    batch_composition,
+    num_context_tokens,
+)
 from specmesh.engine.step_budget import StepBudget, check_step_budget
 from specmesh.engine.step_cost import StepCost
-from specmesh.telemetry.engine_step import forward_span, num_context_tokens
+from specmesh.telemetry.engine_step import forward_span
 from specmesh.telemetry.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
@@ -127,7 +134,7 @@ class BatchedEngine(EngineThread):
         step_attributes = self._step_attributes(batch)
         try:
             started, wall_start = time.perf_counter(), time.monotonic()
-            with forward_span(self._name, self.metrics, batch, links, step_attributes):
+            with forward_span(self._name, self.metrics, batch_composition(batch), links, step_attributes):
                 logits = self.runner.forward_flat(items)
             self.forward_s, self.forward_threads = time.perf_counter() - started, threads
             if not all(item.is_decode for item in batch):

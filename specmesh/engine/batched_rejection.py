@@ -1,7 +1,8 @@
 """Greedy verification of every finished request of a forward in one step (as vLLM v1's rejection sampler does with
 `cu_num_draft_tokens`): one argmax over all logits rows [num_tokens, vocab], then plain-int acceptance per request.
 
-`specmesh.rejection.verify_greedy` is the oracle (tests/test_batched_rejection.py checks they agree, ties included).
+`specmesh.spec.rejection.verify_greedy` is the oracle (tests/test_batched_rejection.py checks they agree, ties
+included).
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from specmesh.config import c_compiler_setting, cache_dir_setting
+
 log = logging.getLogger(__name__)
 
 AVX2_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-fno-fast-math", "-std=c11")
@@ -27,12 +29,12 @@ class KernelUnavailable(RuntimeError):
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("SPECMESH_CACHE_DIR") or str(Path.home() / ".cache" / "specmesh")
+    root = cache_dir_setting() or str(Path.home() / ".cache" / "specmesh")
     return Path(root) / "kernels"
 
 
 def _compile(source: Path, cflags: tuple[str, ...], target: Path) -> None:
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    compiler = c_compiler_setting() or shutil.which("gcc") or shutil.which("cc")
     if not compiler:
         raise KernelUnavailable(f"{source.name} needs a C compiler (gcc or $CC) to be built once")
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 """An engine's own measure of what one more token costs in a forward: the verifier reports it to the gateway,
-which prices drafts by it, and both model services price their prompt-lookup guesses by it (specmesh/guesses.py).
+which prices drafts by it, and both model services price their prompt-lookup guesses by it (specmesh/engine/guesses.py).
 
 Per thread count (a step that decodes ahead on one thread beside the draft model costs differently from a verify on
 two), decayed sums per forward size n (tokens in the forward) of recent forwards' seconds, and a least-squares fit of

@@ -12,7 +12,7 @@ from specmesh.engine.errors import ForwardInterrupted
 from specmesh.engine.int4_linear import Int4GroupLinear, kernel_threads
 from specmesh.engine.paged_attention import ATTN_IMPLEMENTATION, PagedBatch, PagedKVCache, SeqSlice
 from specmesh.engine.qwen2_decoder import Qwen2Decoder, is_fused, supports
-from specmesh.tree import block_layout
+from specmesh.spec.tree import block_layout
 
 
 @dataclass(frozen=True)
@@ -23,8 +23,8 @@ class ForwardItem:
     start_pos: int                # position of token_ids[0] (= tokens already in the KV cache)
     block_table: Sequence[int]    # KV blocks of the sequence; they cover positions 0 .. start_pos + len(token_ids) - 1
     num_logits: int               # logits wanted for the last num_logits new tokens (0 = none)
-    # A token tree (specmesh/tree.py) over the last len(tree_parents) + 1 new tokens (the root, then the nodes): node
-    # i runs at position root + 1 + depth(i) and attends to the context, the root and its ancestors only; its KV
+    # A token tree (specmesh/spec/tree.py) over the last len(tree_parents) + 1 new tokens (the root, then the nodes):
+    # node i runs at position root + 1 + depth(i) and attends to the context, the root and its ancestors only; its KV
     # goes to the slot of its index in token_ids. None = causal.
     tree_parents: Sequence[int] | None = None
 

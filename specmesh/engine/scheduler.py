@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -372,3 +372,18 @@ class Scheduler:
         """After a forward: drop KV slots past num_computed (rejected drafts) and hash verified full blocks."""
         self.block_manager.truncate(seq.seq_id, seq.num_computed)
         self.block_manager.mark_verified(seq.seq_id, seq.token_ids[: min(seq.num_verified, seq.num_computed)])
+
+
+def num_context_tokens(item: ScheduledItem) -> int:
+    """Tokens of the item that are already in its sequence (more than 1: it computes a prompt's or context's KV;
+    the rest of the item, if any, are drafts)."""
+    return min(len(item.token_ids), len(item.request.seq.token_ids) - item.start_pos)
+
+
+def batch_composition(batch: Sequence[ScheduledItem]) -> tuple[int, int, int]:
+    """(sequences, decode tokens, prefill tokens) of a forward: decode tokens are work of sequences already decoding,
+    prefill tokens prompt or recomputed context chunks. Plain counts for the forward's span and metrics
+    (specmesh/telemetry/engine_step.py)."""
+    decode = sum(len(i.token_ids) for i in batch if i.is_decode)
+    prefill = sum(len(i.token_ids) for i in batch if not i.is_decode)
+    return len(batch), decode, prefill

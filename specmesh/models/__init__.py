@@ -9,8 +9,8 @@ import importlib
 from typing import Any
 
 _SOURCES: dict[str, str] = {
-    **dict.fromkeys(("CACHE_DIR_ENV", "PRESETS", "REAL_PRESETS", "LoadedModel", "collect_eos_token_ids",
-                     "default_cache_dir", "load_model", "resolve_model_dir"), "loader"),
+    **dict.fromkeys(("PRESETS", "REAL_PRESETS", "LoadedModel", "collect_eos_token_ids", "load_model",
+                     "resolve_model_dir"), "loader"),
     **dict.fromkeys(("DRAFT_PRESET", "FETCH_COMMAND", "TARGET_PRESET", "ChecksumError", "assemble_gguf",
                      "fetch_model", "fetch_real_pair"), "real_pair"),
     **dict.fromkeys(("TINY_DRAFT", "TINY_DRAFT_UNRELATED", "TINY_PRESETS", "TINY_TARGET", "build_tiny_models",

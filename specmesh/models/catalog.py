@@ -10,9 +10,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from specmesh.config import CACHE_DIR_ENV, default_cache_dir
 from specmesh.models.real_pair import FETCH_COMMAND, REAL_MODELS, converted_dir, gguf_path, is_converted
-
-CACHE_DIR_ENV = "SPECMESH_CACHE_DIR"
 
 TINY_TARGET = "tiny-target"
 TINY_DRAFT = "tiny-draft"
@@ -37,12 +36,6 @@ class PresetStatus:
     path: Path           # where it is (or will be) in the cache
     size_bytes: int      # on disk now (0 when absent)
     note: str = ""       # e.g. "GGUF assembled, not converted yet"
-
-
-def default_cache_dir() -> Path:
-    """``$SPECMESH_CACHE_DIR`` if set, else ``~/.cache/specmesh``."""
-    env = os.environ.get(CACHE_DIR_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "specmesh"
 
 
 def tiny_models_dir(cache_dir: Path) -> Path:

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
+from specmesh.config import CACHE_DIR_ENV, cache_dir_setting, default_cache_dir
 from specmesh.models.catalog import (
-    CACHE_DIR_ENV,
     TINY_PRESETS,
     PresetStatus,
     all_presets,
-    default_cache_dir,
     human_size,
     preset_status,
     tiny_models_dir,
@@ -30,7 +28,7 @@ def list_presets(cache_dir: Path) -> list[str]:
     """One header line, one line per preset, and where the cache is."""
     lines = [f"{'PRESET':<22} {'KIND':<5} {'STATUS':<8} {'SIZE':>9}  PATH"]
     lines += [_row(preset_status(name, cache_dir)) for name in all_presets()]
-    origin = f"${CACHE_DIR_ENV}" if os.environ.get(CACHE_DIR_ENV) else f"default; set ${CACHE_DIR_ENV} to move it"
+    origin = f"${CACHE_DIR_ENV}" if cache_dir_setting() else f"default; set ${CACHE_DIR_ENV} to move it"
     lines.append(f"model cache: {cache_dir} ({origin})")
     return lines
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from specmesh.models.catalog import CACHE_DIR_ENV, default_cache_dir
+from specmesh.config import CACHE_DIR_ENV, default_cache_dir
 from specmesh.models.real_pair import (
     FETCH_COMMAND,
     REAL_MODELS,

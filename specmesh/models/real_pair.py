@@ -31,6 +31,8 @@ from pathlib import Path
 import filelock
 from tqdm import tqdm
 
+from specmesh.config import default_cache_dir
+
 TARGET_PRESET = "qwen2.5-coder-1.5b"
 DRAFT_PRESET = "qwen2.5-coder-0.5b"
 
@@ -111,8 +113,6 @@ def _log(message: str) -> None:
 def _resolve_cache_dir(cache_dir: Path | None) -> Path:
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
-    from specmesh.models.catalog import default_cache_dir  # local import: catalog imports us
-
     return default_cache_dir()
 
 

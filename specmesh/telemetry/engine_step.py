@@ -2,19 +2,19 @@
 
 The engine runs on its own thread and one forward serves many requests, so its span cannot be a child of all of
 them: it starts its own trace and carries a LINK to the span of every request it served (the span that was
-current when the request's work item was submitted, see `Completion.span_context`).
+current when the request's work item was submitted, see `Completion.span_context`). The engine hands over plain
+counts (`specmesh.engine.scheduler.batch_composition`): telemetry never imports the engine.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext
 
-from specmesh.engine.scheduler import ScheduledItem
 from specmesh.telemetry.metrics import EngineMetrics
 
 _tracer = trace.get_tracer("specmesh.engine")
@@ -31,29 +31,23 @@ def _links(contexts: Iterable[SpanContext | None]) -> list[Link]:
     return links
 
 
-def num_context_tokens(item: ScheduledItem) -> int:
-    """Tokens of the item that are already in its sequence (more than 1: it computes a prompt's or context's KV;
-    the rest of the item, if any, are drafts)."""
-    return min(len(item.token_ids), len(item.request.seq.token_ids) - item.start_pos)
-
-
-def batch_attributes(batch: Sequence[ScheduledItem]) -> dict[str, int]:
+def batch_attributes(num_seqs: int, num_decode_tokens: int, num_prefill_tokens: int) -> dict[str, int]:
     """Sequences and tokens of a forward, and its composition as the scheduler put it: decode tokens (work of
     sequences already decoding) and prefill tokens (prompt or recomputed context chunks)."""
-    decode = sum(len(i.token_ids) for i in batch if i.is_decode)
-    prefill = sum(len(i.token_ids) for i in batch if not i.is_decode)
-    return {"specmesh.batch.num_seqs": len(batch), "specmesh.batch.num_tokens": decode + prefill,
-            "specmesh.batch.num_decode_tokens": decode, "specmesh.batch.num_prefill_tokens": prefill}
+    return {"specmesh.batch.num_seqs": num_seqs, "specmesh.batch.num_tokens": num_decode_tokens + num_prefill_tokens,
+            "specmesh.batch.num_decode_tokens": num_decode_tokens,
+            "specmesh.batch.num_prefill_tokens": num_prefill_tokens}
 
 
 @contextmanager
-def forward_span(engine: str, metrics: EngineMetrics, batch: Sequence[ScheduledItem],
+def forward_span(engine: str, metrics: EngineMetrics, composition: tuple[int, int, int],
                  links: Iterable[SpanContext | None] | None,
                  step_attributes: dict[str, float] | None = None) -> Iterator[None]:
     """Wraps one forward: a span named "<engine> forward" (unless links is None) and the batch metrics.
+    composition: (sequences, decode tokens, prefill tokens) of the forward's batch.
     step_attributes: more attributes of the span (the scheduler's time bound, the longest wait behind prefill)."""
     start = time.perf_counter()
-    attributes: dict[str, float] = {**batch_attributes(batch), **(step_attributes or {})}
+    attributes: dict[str, float] = {**batch_attributes(*composition), **(step_attributes or {})}
     if links is None:
         yield
     else:
@@ -61,7 +55,7 @@ def forward_span(engine: str, metrics: EngineMetrics, batch: Sequence[ScheduledI
                                            attributes=attributes):
             yield
     metrics.forward_seconds.observe(time.perf_counter() - start)
-    metrics.batch_size.observe(len(batch))
+    metrics.batch_size.observe(composition[0])
     metrics.batch_tokens.observe(attributes["specmesh.batch.num_tokens"])
     metrics.step_tokens.labels("decode").observe(attributes["specmesh.batch.num_decode_tokens"])
     metrics.step_tokens.labels("prefill").observe(attributes["specmesh.batch.num_prefill_tokens"])

@@ -122,7 +122,7 @@ class EngineMetrics:
 
 
 class SessionMetrics:
-    """Session leases of a model service (specmesh/leases.py), in the engine's registry."""
+    """Session leases of a model service (specmesh/rpc/leases.py), in the engine's registry."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.expired = Counter("specmesh_sessions_expired", "Sessions ended because no call came for the lease period",

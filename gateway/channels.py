@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 
 from specmesh.config import TlsConfig
-from specmesh.grpc_server import MAX_MESSAGE_BYTES
-from specmesh.security import channel_credentials
+from specmesh.rpc.grpc_server import MAX_MESSAGE_BYTES
+from specmesh.rpc.security import channel_credentials
 from specmesh.telemetry.tracing import client_interceptors
 
 CHANNEL_OPTIONS = [
@@ -22,7 +22,7 @@ CHANNEL_OPTIONS = [
 
 def internal_channel(addr: str, tls: TlsConfig | None = None, server_name: str = "") -> grpc.aio.Channel:
     """An aio channel from one specmesh service to another; every call carries W3C trace context.
-    TLS (and mutual TLS) when `tls.tls_ca` is set (specmesh.security.channel_credentials). server_name: the name
+    TLS (and mutual TLS) when `tls.tls_ca` is set (specmesh.rpc.security.channel_credentials). server_name: the name
     the server's certificate must carry when `addr` is one of its IP addresses (a replica found by DNS)."""
     credentials = channel_credentials(tls) if tls is not None else None
     if credentials is not None:

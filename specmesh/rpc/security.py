@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 
 from specmesh.config import GatewayConfig, TlsConfig
-from specmesh.rpc_guard import RefusalHook
+from specmesh.rpc.rpc_guard import RefusalHook
 
 PUBLIC_METHOD_PREFIX = "/specmesh.v1.Generation/"
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")

@@ -124,7 +124,7 @@ def guard_handler(handler: grpc.RpcMethodHandler, method: str,
 
 
 class RpcGuard(grpc.aio.ServerInterceptor):
-    """Installed innermost on every ServiceServer (specmesh/grpc_server.py): see the module docstring.
+    """Installed innermost on every ServiceServer (specmesh/rpc/grpc_server.py): see the module docstring.
 
     on_refused: told of each call refused as undecodable (its servicer never runs, so it cannot count it)."""
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specmesh.sampling import inverse_cdf_index
+from specmesh.spec.sampling import inverse_cdf_index
 
 # Residual mass at or below this is treated as zero (p == q numerically): sample from p.
 _RESIDUAL_EPS = 1e-12

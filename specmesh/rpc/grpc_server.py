@@ -1,5 +1,5 @@
 """gRPC server bootstrap shared by the services: health, reflection, message limits, request parsing and error
-mapping (specmesh/rpc_guard.py), background tasks, graceful shutdown."""
+mapping (specmesh/rpc/rpc_guard.py), background tasks, graceful shutdown."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specmesh.rpc_guard import RefusalHook, RpcGuard, status_code
+from specmesh.rpc.rpc_guard import RefusalHook, RpcGuard, status_code
 from specmesh.telemetry.metrics import MetricsServer
 from specmesh.telemetry.tracing import server_interceptors
 
@@ -45,7 +45,7 @@ class ServiceServer:
                    for name, value in SERVER_OPTIONS]
         self.server = grpc.aio.server(options=options,
                                       interceptors=[*server_interceptors(), *interceptors, RpcGuard(on_refused)])
-        self.credentials = credentials              # TLS (specmesh.security.server_credentials); None = plaintext
+        self.credentials = credentials              # TLS (specmesh.rpc.security.server_credentials); None = plaintext
         add_servicers(self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -61,7 +61,7 @@ class ServiceServer:
         # (the verifier waits for its sessions, whose Verify calls must still get through).
         self.drain: Callable[[], Awaitable[None]] | None = None
         # Started with the server, cancelled once it has stopped (they keep running while it drains): e.g. the
-        # model services' lease reaper (specmesh/leases.py).
+        # model services' lease reaper (specmesh/rpc/leases.py).
         self.background: list[Callable[[], Coroutine[Any, Any, None]]] = []
         self._tasks: list[asyncio.Task[None]] = []
         # When set, health reports SERVING only while it is true (the gateway: some verifier replica answers);

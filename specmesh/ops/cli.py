@@ -16,22 +16,20 @@ from typing import NoReturn
 
 import grpc
 
-from specmesh import __version__, client
+from specmesh import __version__
 from specmesh.config import DTYPE_CHOICES, DraftConfig, GatewayConfig, VerifierConfig, load_config
 from specmesh.engine.dtype_choice import DtypeChoice, resolve_dtype
-from specmesh.launcher import PRESETS, PortInUseError, Stack, StackConfig, StartError
 from specmesh.models.catalog import ModelRefError, check_model_ref
 from specmesh.models.commands import add_models_parser
-from specmesh.pipeline_cli import add_run_parser
+from specmesh.ops import client
+from specmesh.ops.cli_output import CliError, print_stream
+from specmesh.ops.launcher import PRESETS, PortInUseError, Stack, StackConfig, StartError
+from specmesh.ops.pipeline_cli import add_run_parser
 
 DEFAULT_TRACE_FILE = os.path.join(tempfile.gettempdir(), "specmesh-spans.jsonl")
 PORT_FLAGS = {"verifier": "--verifier-port", "draft": "--draft-port", "gateway": "--port",
               "gateway HTTP": "--http-port", "gateway metrics": "--metrics-port",
               "verifier metrics": "--metrics-port", "draft metrics": "--metrics-port"}
-
-
-class CliError(Exception):
-    """An error whose message is already what the user should read."""
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -146,31 +144,6 @@ def request_from_args(args: argparse.Namespace) -> client.generate_pb2.GenerateR
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop, num_draft_tokens=args.num_draft_tokens, ignore_eos=args.ignore_eos,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty)
-
-
-async def print_stream(addr: str, request: client.generate_pb2.GenerateRequest) -> int:
-    start = time.perf_counter()
-    first_at = None
-    try:
-        async for response in client.stream(addr, request):
-            if response.text:
-                first_at = first_at or time.perf_counter()
-                sys.stdout.write(response.text)
-                sys.stdout.flush()
-            if response.HasField("usage"):
-                _print_footer(response, time.perf_counter() - start, first_at and first_at - start)
-    except grpc.RpcError as exc:
-        raise CliError(client.describe_rpc_error(exc, addr)) from exc
-    return 0
-
-
-def _print_footer(response: client.generate_pb2.GenerateResponse, elapsed: float, ttft: float | None) -> None:
-    u = response.usage
-    first = f"{ttft * 1000:.0f} ms" if ttft else "n/a"
-    print(f"\n\n[{u.completion_tokens} tokens in {elapsed:.2f} s ({u.completion_tokens / elapsed:.2f} tok/s), "
-          f"time to first text {first}, {u.num_rounds} rounds, acceptance {u.acceptance_rate:.2f}, "
-          f"{u.mean_tokens_per_round:.2f} tokens/round, finish {client.finish_reason_words(response.finish_reason)}, "
-          f"request {response.request_id}]", file=sys.stderr)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

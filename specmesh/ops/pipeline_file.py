@@ -1,4 +1,5 @@
-"""The declarative pipeline file (`specmesh run FILE`): lexer, parser and printer. Mapping: specmesh/pipeline_map.py.
+"""The declarative pipeline file (`specmesh run FILE`): lexer, parser and printer.
+Mapping: specmesh/ops/pipeline_map.py.
 
     # comments start with '#' or '//'
     model draft "qwen2.5-coder-0.5b" { device: cpu  max_batch: 8 }

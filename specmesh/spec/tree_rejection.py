@@ -1,8 +1,8 @@
 """Lossless verification of a token tree (greedy walk and multi-candidate rejection sampling).
 
-Notation as in `specmesh/rejection.py` (the chain oracle): ``p`` = target probabilities, ``q`` = draft
-probabilities. A tree has n nodes (`specmesh/tree.py`): `token_ids[i]`, `parents[i]`. Row 0 of the target tensors is
-the target's distribution after the root (the pending token), row i + 1 the distribution after node i's path.
+Notation as in `specmesh/spec/rejection.py` (the chain oracle): ``p`` = target probabilities, ``q`` = draft
+probabilities. A tree has n nodes (`specmesh/spec/tree.py`): `token_ids[i]`, `parents[i]`. Row 0 of the target tensors
+is the target's distribution after the root (the pending token), row i + 1 the distribution after node i's path.
 
 Greedy: the accepted path is the longest root-to-node path whose every token equals the target's argmax after its
 parent path (argmax ties -> lowest id, as in the chain); then the argmax of the row where the path ends.
@@ -22,9 +22,9 @@ from collections.abc import Sequence
 
 import torch
 
-from specmesh.rejection import SparseDist
-from specmesh.sampling import inverse_cdf_index
-from specmesh.tree import ROOT, check_parents, children, path_to
+from specmesh.spec.rejection import SparseDist
+from specmesh.spec.sampling import inverse_cdf_index
+from specmesh.spec.tree import ROOT, check_parents, children, path_to
 
 # Residual mass at or below this is treated as zero (p == q numerically): keep the current p (as the chain does).
 _RESIDUAL_EPS = 1e-12

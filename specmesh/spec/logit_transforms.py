@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from specmesh.sampling import SamplingParams
-from specmesh.tree import ROOT
+from specmesh.spec.sampling import SamplingParams
+from specmesh.spec.tree import ROOT
 
 
 def _context_mask(context: Sequence[int], num_rows: int, vocab_size: int) -> torch.Tensor:

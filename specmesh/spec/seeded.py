@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from specmesh.tree import ROOT, children
+from specmesh.spec.tree import ROOT, children
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15

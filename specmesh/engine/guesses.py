@@ -3,7 +3,7 @@
 A forward that decodes one token per sequence leaves rows nearly free on a CPU whose kernel streams the weights once
 for a few rows: Qwen2.5-1.5B int4 on one core, 100 ms for 1 to 4 tokens on an AVX2 Zen 3, 50 ms for 1 token and
 ~9 ms per further token on a Zen 4 with AVX-512 VNNI; the 0.5B draft there 19.5 ms for 1 token, 26 for 4. Those rows
-carry prompt-lookup guesses (`specmesh/ngram.py`: what followed the context's last n-gram earlier in the same
+carry prompt-lookup guesses (`specmesh/spec/ngram.py`: what followed the context's last n-gram earlier in the same
 context), checked greedily in the same forward: every guess equal to the model's argmax is a token the model would
 have emitted next, so the forward moves several tokens on repetitive text (code edits, quotes, lists) and the
 output is exactly one-token-at-a-time greedy's. Two engines use them: the verifier while it decodes ahead
@@ -24,7 +24,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from specmesh.engine.forward_cost import UNKNOWN, Fit
-from specmesh.ngram import propose_ngram
+from specmesh.spec.ngram import propose_ngram
 
 MAX_GUESSES = 7            # guesses per session and step (at most what the ahead limit leaves)
 NGRAM_SIZES = (4, 3, 2)    # tail n-grams looked up, longest first

@@ -1,4 +1,4 @@
-"""`python -m specmesh.healthcheck ADDR`: exit 0 if the service at ADDR reports SERVING over grpc.health.v1.
+"""`python -m specmesh.ops.healthcheck ADDR`: exit 0 if the service at ADDR reports SERVING over grpc.health.v1.
 
 Used by the container health checks (docker-compose) and handy by hand. Exit codes: 0 SERVING, 1 any other status,
 2 unreachable / error. TLS: pass --ca (and --cert/--key for mutual TLS) when the service serves TLS.
@@ -36,7 +36,7 @@ def check(addr: str, service: str = "", timeout_s: float = 3.0, ca: str = "", ce
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specmesh.healthcheck", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m specmesh.ops.healthcheck", description=__doc__)
     parser.add_argument("addr", help="host:port of a specmesh service")
     parser.add_argument("--service", default="", help="service name to check ('' = the whole server)")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds")

@@ -54,7 +54,7 @@ class SamplingParams:
 
     @property
     def is_seeded(self) -> bool:
-        """A seeded sampled request: its tokens come from specmesh/seeded.py (reproducible whatever the drafts)."""
+        """A seeded sampled request: its tokens come from specmesh/spec/seeded.py (reproducible whatever the drafts)."""
         return self.seed is not None and not self.is_greedy
 
     @property
@@ -95,7 +95,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
     Temperature, then top-k, then top-p (nucleus), then min-p, then renormalization. Greedy
     params give a one-hot at ``torch.argmax`` (ties -> lowest token id). repetition_penalty
-    and logit_bias act on the logits before this (specmesh/logit_transforms.py).
+    and logit_bias act on the logits before this (specmesh/spec/logit_transforms.py).
     """
     if logits.dim() != 2 or logits.shape[-1] == 0:
         raise ValueError(f"logits must have shape [N, V] with V > 0, got {tuple(logits.shape)}")

@@ -9,8 +9,8 @@ from google.protobuf import unknown_fields
 
 from protos.specmesh.v1 import common_pb2
 from specmesh.engine.loop import EngineError
-from specmesh.rejection import SparseDist
-from specmesh.sampling import SamplingParams
+from specmesh.spec.rejection import SparseDist
+from specmesh.spec.sampling import SamplingParams
 
 MAX_SEED = 2**63 - 1
 MAX_LOGIT_BIAS = 1024

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from protos.specmesh.v1 import generate_pb2
-from specmesh import client
 from specmesh.config import DTYPE_CHOICES, DraftConfig, VerifierConfig, _flat_fields
-from specmesh.launcher import StackConfig
-from specmesh.pipeline_file import Block, Entry, PipelineFile
+from specmesh.ops import client
+from specmesh.ops.launcher import StackConfig
+from specmesh.ops.pipeline_file import Block, Entry, PipelineFile
 
 LAUNCHER_FIELDS = {"model", "host", "port", "num_threads"}   # StackConfig sets these itself
 

@@ -8,9 +8,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from specmesh.launcher import Stack, StackConfig
-from specmesh.pipeline_file import PipelineError, parse
-from specmesh.pipeline_map import Pipeline, generate_flags, request, resolve, service_flags, stack_config
+from specmesh.ops.cli_output import print_stream
+from specmesh.ops.launcher import Stack, StackConfig
+from specmesh.ops.pipeline_file import PipelineError, parse
+from specmesh.ops.pipeline_map import Pipeline, generate_flags, request, resolve, service_flags, stack_config
 
 
 def load_pipeline(path: str) -> Pipeline:
@@ -43,8 +44,6 @@ def _fetch_real_models(config: StackConfig) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from specmesh.cli import print_stream
-
     try:
         pipeline = load_pipeline(args.file)
     except (PipelineError, OSError) as exc:
