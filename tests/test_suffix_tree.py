@@ -204,6 +204,7 @@ class _BackingOffModel:
         self.link = DraftLink()
         self.link.backoff_rounds = backoff_rounds
         self.num_calls = self.num_prefetch_hits = self.bytes_sent = self.bytes_received = 0
+        self.tree_width, self.tree_pricing = 0, None      # (the ModelProposer protocol: chains)
 
     @property
     def skip_rounds(self) -> int:
