@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from gateway.proposers.base import Draft, Verified
+from gateway.proposers.base import Draft, ModelProposer, Verified
 from gateway.proposers.cost_model import RoundCostModel
 from gateway.proposers.proposer_set import ProposerSet
 from gateway.verify_cost import UNKNOWN_COST, VerifyCost
@@ -28,6 +28,11 @@ class ProposerPolicy:
 
     def __init__(self, proposers: ProposerSet, rule: Rule, cost_model: RoundCostModel) -> None:
         self.proposers, self.rule, self.cost_model = proposers, rule, cost_model
+
+    @property
+    def model(self) -> ModelProposer | None:
+        """The draft model behind the policy (gateway/keepalive.py renews its draft session)."""
+        return self.proposers.model
 
     async def prefill(self, prompt_ids: list[int], num_tokens: int) -> None:
         if self.proposers.model is not None:
