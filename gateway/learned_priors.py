@@ -83,4 +83,4 @@ def _added(book: dict[PriorKey, M], key: PriorKey, memory: M, keep: float) -> di
     if memory.rounds <= 0:
         return book
     old = book.get(key)
-    return {**book, key: memory if old is None else old.scaled(keep).plus(memory)}   # type: ignore[arg-type]
+    return {**book, key: memory if old is None else old.scaled(keep).plus(memory)}

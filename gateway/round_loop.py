@@ -206,7 +206,7 @@ class Generation:
                 await self._next_draft.task
             self._next_draft = None
         with end_session_span(self.trace_context):
-            calls = [self.session.close()]
+            calls: list[Awaitable[object]] = [self.session.close()]
             if self.drafter is not None:
                 calls.append(self.drafter.close())
             results = await asyncio.gather(*calls, return_exceptions=True)

@@ -32,7 +32,7 @@ from gateway.verify_cost import UNKNOWN_COST, VerifyCost
 from protos.specmesh.v1 import common_pb2
 from specmesh.token_ids import common_prefix_len
 
-LOCAL_TIERS = (common_pb2.DRAFT_SOURCE_CACHE, common_pb2.DRAFT_SOURCE_NGRAM)
+LOCAL_TIERS: tuple[int, ...] = (common_pb2.DRAFT_SOURCE_CACHE, common_pb2.DRAFT_SOURCE_NGRAM)
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class LocalCaps:
 
     def __init__(self, longest: int) -> None:
         self.longest = longest
-        self.caps = dict.fromkeys(LOCAL_TIERS, longest)
+        self.caps: dict[int, int] = dict.fromkeys(LOCAL_TIERS, longest)
 
     def observe(self, source: int, num_drafted: int, num_accepted: int) -> None:
         if source in self.caps:

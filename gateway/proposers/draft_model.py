@@ -192,7 +192,7 @@ class ModelDrafter:
             max_q_entries=self.max_q_entries, num_ahead_tokens=num_ahead_tokens,
             num_assumed_tokens=call.num_assumed_tokens, tree_width=self._round_width)
         self.bytes_sent += request.ByteSize()
-        response = await self.stub.Propose(request, timeout=self.timeout_s)
+        response: draft_pb2.ProposeResponse = await self.stub.Propose(request, timeout=self.timeout_s)
         self.bytes_received += response.ByteSize()
         return response
 
