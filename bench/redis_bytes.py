@@ -2,7 +2,7 @@
 
 Starts a private redis-server on a free port, writes what the gateway writes for each generation (every output
 position: its last 8 context tokens -> the next 16 verified tokens, under each configured suffix length; see
-`gateway/tiers.py` `TieredDrafter._record`), then reports Redis `used_memory` growth, the sum of `MEMORY USAGE`
+`gateway/proposers/cache.py` `ContinuationWriter`), then reports Redis `used_memory` growth, the sum of `MEMORY USAGE`
 over the cache's keys, the key count, and each per cached (generated) token. Prints the numbers and writes JSON to
 bench/results/redis_bytes-*.json.
 

@@ -1,8 +1,7 @@
 """Adaptive draft length per session: pick the k that maximizes expected tokens per second.
 
-Pure logic on floats and ints (no gRPC, no clock): the round loop calls `next_k()` before drafting, then
-`observe_verify_cost(...)` with what the verifier reported about its forward (cost and load), then `observe(...)`
-with what the round measured.
+Pure logic on floats and ints (no gRPC, no clock), the core of a request's round cost model (gateway/proposers/
+cost_model.py): `next_k()` before drafting; after a round `observe_verify_cost(...)`, then `observe(...)`.
 
 The model (all times in seconds)
 --------------------------------
@@ -82,7 +81,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from gateway.decayed_line import DecayedLine
-from gateway.verify_cost import VerifyCost, excess_tokens, forward_units, load_penalty
+from gateway.verify_cost import VerifyCost, VerifyLine, load_penalty
 
 
 @dataclass(frozen=True)
@@ -151,46 +150,6 @@ class ControllerMemory:
             self.alt_nodes + newer.alt_nodes, self.alt_hits + newer.alt_hits, newer.free_tokens)
 
 
-class _DecayedLine:
-    """Decayed least-squares fit t = v0 + v1 * x(k) (x: verified tokens beyond the free ones), with a prior relative
-    slope when x has no spread; a relative slope the verifier measured itself (`measured_slope` > 0) is used instead
-    of the fitted one. Beside other sessions' rows (`other_rows` > 0) a measured slope scales the forward t(n)."""
-
-    def __init__(self, decay: float, rel_slope: float) -> None:
-        self.rel_slope = rel_slope
-        self.measured_slope = 0.0
-        self.free_tokens = 1
-        self.other_rows = 0.0
-        self.points = DecayedLine(decay)
-        self._k_sum = self._k_weight = 0.0          # decayed drafts verified (this request's rounds only)
-
-    def add(self, k: int, t: float) -> None:
-        self.points.add(excess_tokens(k, self.free_tokens), t)
-        d = self.points.decay
-        self._k_sum, self._k_weight = d * self._k_sum + k, d * self._k_weight + 1
-
-    @property
-    def slope_units(self) -> float:
-        """s: one more token's cost relative to a one-token forward (measured, else the prior)."""
-        return self.measured_slope or self.rel_slope
-
-    def __call__(self, k: int) -> float | None:
-        moments = self.points.moments()
-        if moments is None:
-            return None
-        x = excess_tokens(k, self.free_tokens)
-        mean_x, mean_t, var_x = moments
-        if self.measured_slope > 0 and self.other_rows > 0 and self._k_weight > 0:
-            s, free, mean_k = self.measured_slope, self.free_tokens, self._k_sum / self._k_weight
-            return mean_t * forward_units(self.other_rows + k + 1, s, free) / \
-                forward_units(self.other_rows + mean_k + 1, s, free)
-        if self.measured_slope > 0 or var_x < 0.25:   # measured, or (almost) a single x seen: scale the mean
-            s = self.measured_slope or self.rel_slope
-            return mean_t * (1 + s * x) / (1 + s * mean_x)
-        slope = max(0.0, self.points.slope())
-        return max(0.0, mean_t + slope * (x - mean_x))
-
-
 class DraftLengthController:
     """Per-session draft length from acceptance history, measured costs, link RTT and verifier load."""
 
@@ -206,7 +165,7 @@ class DraftLengthController:
         self._draft_time = self._draft_tokens = 0.0
         self._draft_line = DecayedLine(self.params.decay)      # (k, draft seconds) of this request's drafted rounds
         self._draft_slope: float | None = None                 # d1 as last identified (None until k has spread)
-        self._verify = _DecayedLine(self.params.decay, self.params.verify_rel_slope)
+        self._verify = VerifyLine(self.params.decay, self.params.verify_rel_slope)
         self._rtt: float | None = None
         self._other_rows = self._other_tokens = 0.0  # smoothed: other sessions' rows and tokens per forward
         self._load_seen = False

@@ -6,7 +6,7 @@ children are tried in index order, so the drafted token always comes before its 
 
 Exactness: the chain tokens are sampled from their q (sent as draft_dists); alternatives are deterministic one-hot
 candidates (q = delta(a)), tried after the sampled child, which is exact under recursive rejection sampling (see the
-conventions in specmesh/tree_rejection.py). Greedy drafts carry no dists.
+conventions in specmesh/spec/tree_rejection.py). Greedy drafts carry no dists.
 """
 
 from __future__ import annotations

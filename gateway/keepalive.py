@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from gateway.drafters import ModelDrafter
+from gateway.proposers.draft_model import ModelDrafter
 from protos.specmesh.v1 import common_pb2
 
 if TYPE_CHECKING:

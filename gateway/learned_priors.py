@@ -1,8 +1,9 @@
 """What a gateway's finished requests learned about speculation, to start new requests from.
 
-Each request's draft-length controller (gateway/adaptive.py) and proposer choice (gateway/suffix_choice.py) learn
-from nothing: the draft model's cost per token, the verify line, the link's round trip, acceptance per position,
-how far the suffix proposals' count ratios can be trusted. A short request spends a large share of its rounds on
+Each request's round cost model (gateway/proposers/cost_model.py: its draft-length controller, gateway/adaptive.py,
+and in suffix mode its proposer choice, gateway/suffix_choice.py) learns from nothing: the draft model's cost per
+token, the verify line, the link's round trip, acceptance per position, how far the suffix proposals' count ratios
+can be trusted. A short request spends a large share of its rounds on
 that (at the request's full k, a CPU round of the real pair costs ~1 s for ~2 tokens), and then ends. Here the
 gateway keeps books of the decayed sums of the requests that ended, one per tenant and one for the whole gateway
 (each split by whether the request samples):
@@ -21,8 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeVar
 
-from gateway.adaptive import ControllerMemory, DraftLengthController
-from gateway.suffix_choice import ChoiceMemory, ProposerChoice
+from gateway.adaptive import ControllerMemory
+from gateway.proposers.cost_model import CostModelMemory, RoundCostModel
+from gateway.suffix_choice import ChoiceMemory
 
 KEEP = 0.5          # weight of the book's evidence per request that ends
 MAX_ROUNDS = 3.0    # a new request starts with at most this many rounds' worth of the book's evidence
@@ -52,22 +54,20 @@ class LearnedPriors:
         self._controllers: dict[PriorKey, ControllerMemory] = {}
         self._choices: dict[PriorKey, ChoiceMemory] = {}
 
-    def start(self, key: PriorKey, controller: DraftLengthController | None, choice: ProposerChoice | None) -> None:
-        """Seeds a new request's learners from its tenant's book, else the gateway's (neither: they start from
-        their own priors)."""
-        if controller is not None and (memory := _book(self._controllers, key)) is not None:
-            controller.remember(memory, self.max_rounds)
-        if choice is not None and (choice_memory := _book(self._choices, key)) is not None:
-            choice.remember(choice_memory, self.max_rounds)
+    def start(self, key: PriorKey, model: RoundCostModel) -> None:
+        """Seeds a new request's cost model from its tenant's book, else the gateway's (neither: it starts from
+        its own priors)."""
+        model.remember(CostModelMemory(_book(self._controllers, key), _book(self._choices, key)), self.max_rounds)
 
-    def finish(self, key: PriorKey, controller: DraftLengthController | None, choice: ProposerChoice | None) -> None:
-        """Adds what an ended request's learners measured to its tenant's book and the gateway's (a request that
+    def finish(self, key: PriorKey, model: RoundCostModel) -> None:
+        """Adds what an ended request's cost model measured to its tenant's book and the gateway's (a request that
         ran no round adds nothing)."""
+        memory = model.memory()
         for book_key in {key, key.gateway_wide}:
-            if controller is not None:
-                self._controllers = _added(self._controllers, book_key, controller.memory(), self.keep)
-            if choice is not None:
-                self._choices = _added(self._choices, book_key, choice.memory(), self.keep)
+            if memory.length is not None:
+                self._controllers = _added(self._controllers, book_key, memory.length, self.keep)
+            if memory.choice is not None:
+                self._choices = _added(self._choices, book_key, memory.choice, self.keep)
 
     def rounds(self, key: PriorKey) -> tuple[float, float]:
         """(controller, choice) rounds of evidence the book holds for `key` (for tests and metrics)."""
@@ -83,4 +83,4 @@ def _added(book: dict[PriorKey, M], key: PriorKey, memory: M, keep: float) -> di
     if memory.rounds <= 0:
         return book
     old = book.get(key)
-    return {**book, key: memory if old is None else old.scaled(keep).plus(memory)}   # type: ignore[arg-type]
+    return {**book, key: memory if old is None else old.scaled(keep).plus(memory)}

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.drafters import Draft
+from gateway.proposers.base import Draft
 from gateway.verify_cost import UNKNOWN_COST, VerifyCost
 from protos.specmesh.v1 import common_pb2
 

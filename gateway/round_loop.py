@@ -18,12 +18,10 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from gateway.adaptive import DraftLengthController
-from gateway.draft_tree import main_chain_len
-from gateway.drafters import NO_DRAFT, Draft, Drafter
+from gateway.proposers.base import NO_DRAFT, Draft, Drafter
+from gateway.proposers.cost_model import RoundCostModel, RoundObservation
 from gateway.replicas import VerifierPool
 from gateway.request_state import RequestState, RoundEvent
-from gateway.round_outcomes import classify
 from gateway.round_spans import end_session_span, prefill_span, record_round, round_span
 from gateway.validation import GenerationParams
 from gateway.verifier_session import OnMove, SessionLost, VerifierSession
@@ -64,14 +62,8 @@ class _NextDraft:
     task: asyncio.Future[Draft]
 
 
-def _observe_round(draft_length: DraftLengthController, event: RoundEvent, state: RequestState) -> None:
-    draft_length.observe_verify_cost(event.cost)      # first: the round's verify time is priced with it (and load)
-    draft_length.observe(len(event.draft.token_ids), event.num_accepted, event.draft_s, event.verify_s,
-                         forward_ran=event.cost.forward_rows > 0)
-    if event.draft.parents is not None:
-        alternatives = len(event.draft.token_ids) - main_chain_len(event.draft.parents, len(event.draft.token_ids))
-        draft_length.observe_tree(alternatives, classify(event.draft, event.num_accepted,
-                                                         event.accepted_node_indices) == "rejected_alt_hit")
+def _observe_round(cost_model: RoundCostModel, event: RoundEvent, state: RequestState) -> None:
+    cost_model.observe(RoundObservation.of(event))   # the one place a round is learned from
 
 
 class Generation:
@@ -80,7 +72,7 @@ class Generation:
 
     def __init__(self, params: GenerationParams, session_id: str, verifiers: VerifierPool,
                  drafter: Drafter | None, verifier_timeout_s: float, trace_context: Context | None = None,
-                 draft_length: DraftLengthController | None = None, prefetch: bool = False,
+                 cost_model: RoundCostModel | None = None, prefetch: bool = False,
                  overlap: bool = False, eos_token_ids: frozenset[int] = frozenset(), max_failovers: int = 3,
                  on_move: OnMove | None = None) -> None:
         self.params = params
@@ -90,7 +82,7 @@ class Generation:
         self.session = VerifierSession(verifiers, session_id, params.sampling, params.num_draft_tokens > 0,
                                        verifier_timeout_s, max_failovers, self._moved)
         self.drafter = drafter
-        self.draft_length = draft_length            # adaptive draft length (None: the request's fixed k)
+        self.cost_model = cost_model                # draft length and more (None: the request's fixed k)
         self.prefetch = prefetch                    # fetch the next draft block while the verifier works
         # Overlapped speculation: the next round's draft is asked for as soon as a verdict exists (before its tokens
         # are streamed), so the draft service learns of a rejection at once and drafts while the client is served.
@@ -98,8 +90,8 @@ class Generation:
         self._next_draft: _NextDraft | None = None
         # budget, output, finish reason, round counters
         self.state = RequestState(params.prompt_ids, params.max_new_tokens, eos_token_ids, params.ignore_eos)
-        if draft_length is not None:
-            self.state.listeners.append(functools.partial(_observe_round, draft_length))
+        if cost_model is not None:
+            self.state.listeners.append(functools.partial(_observe_round, cost_model))
         if drafter is not None:
             self.state.listeners.append(lambda event, state: drafter.observe(event.draft, event.num_accepted,
                                                                               state, event.cost))
@@ -153,7 +145,8 @@ class Generation:
                                    result.num_other_rows, result.num_other_tokens, result.num_waiting))
 
     def _wanted_k(self) -> int:
-        return self.draft_length.next_k() if self.draft_length else self.params.num_draft_tokens
+        fixed = self.params.num_draft_tokens
+        return self.cost_model.draft_length(fixed) if self.cost_model is not None else fixed
 
     async def _draft(self, context: list[int]) -> tuple[int, Draft]:
         """(the k wanted, the round's draft): the one started early (overlap) or asked for now. Drafting past the
@@ -213,7 +206,7 @@ class Generation:
                 await self._next_draft.task
             self._next_draft = None
         with end_session_span(self.trace_context):
-            calls = [self.session.close()]
+            calls: list[Awaitable[object]] = [self.session.close()]
             if self.drafter is not None:
                 calls.append(self.drafter.close())
             results = await asyncio.gather(*calls, return_exceptions=True)

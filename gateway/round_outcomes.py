@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.draft_tree import main_chain_len
-from gateway.drafters import Draft
+from gateway.proposers.base import Draft
 
 
 @dataclass

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from gateway.drafters import Draft
+from gateway.proposers.base import Draft
 from gateway.request_telemetry import draft_source_name
 
 _tracer = trace.get_tracer("specmesh.gateway")

@@ -12,19 +12,16 @@ import grpc
 from opentelemetry.context import Context
 from transformers import PreTrainedTokenizerBase
 
-from gateway.adaptive import DraftLengthController
 from gateway.draft_pool import DraftPool
-from gateway.drafters import ModelDrafter
 from gateway.keepalive import SessionKeepAlive
 from gateway.learned_priors import LearnedPriors, PriorKey
+from gateway.proposers.compose import DraftSession, request_drafting
 from gateway.quotas import TenantQuotas, admit_or_abort, overload_metadata
 from gateway.replicas import VerifierPool
 from gateway.request_state import RequestState, RoundEvent
 from gateway.request_telemetry import RequestTelemetry
 from gateway.round_loop import Generation, RoundOutput
 from gateway.round_outcomes import RoundOutcomes
-from gateway.suffix_choice import ProposerChoice
-from gateway.suffix_drafter import SuffixDrafter
 from gateway.text_stream import TextStream
 from gateway.tiers import DraftTiers, tenant_from_metadata
 from gateway.upstream_errors import public_details
@@ -96,10 +93,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         generation.session.tenant = tenant               # the verifier keeps a share for tenants holding nothing
         keepalive = SessionKeepAlive(generation, self.config.session_keepalive_s)   # a slow reader loses nothing
         keepalive.start()
-        learners = generation.draft_length, _choice_of(generation.drafter)
         prior_key = self._prior_key(params, context)
-        if self.priors is not None:
-            self.priors.start(prior_key, *learners)
+        if self.priors is not None and generation.cost_model is not None:
+            self.priors.start(prior_key, generation.cost_model)
         try:
             async for response in self._stream(params, generation):
                 telemetry.on_response(response)
@@ -113,8 +109,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             ticket.release()
             telemetry.end(sys.exc_info()[1])
             self.metrics.prompt_cached_tokens.inc(generation.state.num_cached_prompt_tokens)
-            if self.priors is not None:
-                self.priors.finish(prior_key, *learners)
+            if self.priors is not None and generation.cost_model is not None:
+                self.priors.finish(prior_key, generation.cost_model)
             # A cancelled client must still release its KV blocks: run the cleanup as its own task.
             task = asyncio.ensure_future(generation.close())
             self._cleanups.add(task)
@@ -130,26 +126,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         remaining = context.time_remaining()
         verifier_timeout = min(self.config.verifier_timeout_s, remaining) if remaining else \
             self.config.verifier_timeout_s
-        draft_length = None
-        if self.config.adaptive_draft_length and params.num_draft_tokens > 0:
-            draft_length = DraftLengthController(max_k=params.num_draft_tokens, initial_k=params.num_draft_tokens)
-        drafter = None
-        draft_stub = self.draft.pick() if self.draft is not None and params.num_draft_tokens > 0 else None
-        if self.draft is not None and draft_stub is not None:
-            drafter = ModelDrafter(draft_stub, session_id, params.sampling,
-                                   min(self.config.draft_timeout_s, verifier_timeout),
-                                   tree_width=self.config.draft_tree_width, outcomes=self.outcomes,
-                                   tree_pricing=draft_length.tree_width if draft_length else None,
-                                   branch_prefetch=self.config.overlap, reroute=self.draft.reroute,
-                                   cleanup_retry_s=self.config.end_session_retry_s)
-        if self.tiers is not None and params.num_draft_tokens > 0:
-            drafter = self.tiers.drafter(drafter, self.tiers.tenant(context.invocation_metadata()))
-            if draft_length is not None:                # local drafts priced under load like the model's
-                drafter.local_cap = draft_length.local_draft_cap
-        generation = Generation(params, session_id, self.verifiers, drafter, verifier_timeout, trace_context,
-                                draft_length, prefetch=self.config.draft_prefetch, overlap=self.config.overlap,
-                                eos_token_ids=self.model.eos_token_ids, max_failovers=self.config.max_failovers,
-                                on_move=self._count_failover)
+        drafting = request_drafting(self.config, params.num_draft_tokens,
+                                    DraftSession(session_id, params.sampling, verifier_timeout, self.outcomes),
+                                    self.draft, self.tiers,
+                                    self.tiers.tenant(context.invocation_metadata()) if self.tiers else None)
+        generation = Generation(params, session_id, self.verifiers, drafting.drafter, verifier_timeout,
+                                trace_context, drafting.cost_model, prefetch=self.config.draft_prefetch,
+                                overlap=self.config.overlap, eos_token_ids=self.model.eos_token_ids,
+                                max_failovers=self.config.max_failovers, on_move=self._count_failover)
         generation.session.cleanup_retry_s = self.config.end_session_retry_s
         generation.state.listeners.append(self._count_outcome)
         return generation
@@ -199,6 +183,3 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                   num_accepted_tokens=state.num_accepted, acceptance_rate=rate,
                                   mean_tokens_per_round=per_round)
 
-
-def _choice_of(drafter: object) -> ProposerChoice | None:
-    return drafter.choice if isinstance(drafter, SuffixDrafter) else None

@@ -11,8 +11,9 @@ tokens beyond the F free ones and s the verifier's own measure of one more token
 decayed average time per round (a local suffix lookup ~0, the shared store one Redis round trip, the draft model
 its compute plus the link's round trip; a prefetched model block costs what waiting for it cost), and P(n) the
 tokens the other sessions in the verifier's forward give up for this round's n + 1 rows (the load term of
-gateway/adaptive.py and gateway/verify_cost.py, read from the draft model's controller, which is fed the verifier's
-report every round: one load estimate per request). Without other sessions P = 0.
+gateway/adaptive.py and gateway/verify_cost.py, read from the request's round cost model, gateway/proposers/
+cost_model.py, whose controller is fed the verifier's report every round: one load estimate per request; a choice on
+its own reads its model controller's). Without other sessions P = 0.
 
 Expected accepted tokens: for a suffix proposal, the sum over its nodes of the node's count-ratio probability
 times that proposer's measured calibration at the node's depth (decayed accepted / decayed predicted per depth,
@@ -30,6 +31,7 @@ acceptance differs most between requests (chat ~0.4, code ~0.9), and estimates a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gateway.adaptive import ControllerMemory, DraftLengthController, expected_tokens
 from gateway.suffix_tree import Proposal
@@ -106,6 +108,12 @@ def _add(x: float | tuple[float, ...], y: float | tuple[float, ...]) -> float | 
     return x + y                                                  # type: ignore[operator]
 
 
+class LoadPricing(Protocol):
+    """The load term P(n) (gateway/adaptive.py): a request's cost model's one estimate, or the choice's own."""
+
+    def load_penalty(self, k: int) -> float: ...
+
+
 class ProposerChoice:
     def __init__(self) -> None:
         self._verify_base = _Decayed(PRIOR_VERIFY_S, 1.0)
@@ -114,6 +122,7 @@ class ProposerChoice:
         self._cost: dict[str, _Decayed] = {}
         self._calibration = {p: _Calibration() for p in (LOCAL, GLOBAL)}
         self.model = DraftLengthController(max_k=MAX_MODEL_K, initial_k=0)
+        self.load: LoadPricing = self.model         # a request's cost model points it at its own controller
         self._unchosen: dict[str, int] = {}
         self._model_rounds = 0                      # verified model rounds of this request (not remembered ones)
         self._rounds = 0.0                          # decayed number of verified rounds observed
@@ -154,7 +163,7 @@ class ProposerChoice:
     def rate(self, proposer: str, expected: float, num_tokens: int) -> float:
         """Expected net tokens per second of a round drafted by `proposer` (`expected` accepted of `num_tokens`):
         less what its rows take from the other sessions in the forward."""
-        net = 1.0 + expected - self.model.load_penalty(num_tokens)
+        net = 1.0 + expected - self.load.load_penalty(num_tokens)
         return net / max(self.round_s(proposer, num_tokens), 1e-6)
 
     # ------------------------------------------------------------------ decision

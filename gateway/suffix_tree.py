@@ -8,7 +8,7 @@ of verified outputs (`trie_from_continuations`: the stored continuations after a
 `speculate` grows a draft from a trie best-first by the estimated probability that a node is accepted, the product
 of count(child) / count(parent) along its path, and stops when that falls below `min_prob` or the token budget is
 spent. Chains follow the most frequent child; with `max_branches` > 1 a node's next most frequent children become
-branches of a tree (`parents`, the token-tree convention of `gateway.drafters.Draft`). The score, the sum of the
+branches of a tree (`parents`, the token-tree convention of `gateway.proposers.base.Draft`). The score, the sum of the
 nodes' probabilities, is the expected number of accepted draft tokens under the trie's own statistics.
 """
 

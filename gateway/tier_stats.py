@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 
 from protos.specmesh.v1 import common_pb2
 
-TIER_NAMES = {common_pb2.DRAFT_SOURCE_CACHE: "cache", common_pb2.DRAFT_SOURCE_NGRAM: "ngram",
+TIER_NAMES: dict[int, str] = {common_pb2.DRAFT_SOURCE_CACHE: "cache", common_pb2.DRAFT_SOURCE_NGRAM: "ngram",
               common_pb2.DRAFT_SOURCE_MODEL: "model"}
 
 

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.decayed_line import DecayedLine
+
 
 @dataclass(frozen=True)
 class VerifyCost:
@@ -76,3 +78,45 @@ def load_penalty(num_drafts: int, other_rows: float, other_tokens: float, token_
 
 
 UNKNOWN_COST = VerifyCost()
+
+
+class VerifyLine:
+    """verify(k) of the adaptive draft length (gateway/adaptive.py): a decayed least-squares fit t = v0 + v1 * x(k)
+    (x: verified tokens beyond the free ones), with a prior relative slope when x has no spread; a relative slope the
+    verifier measured itself (`measured_slope` > 0) is used instead of the fitted one. Beside other sessions' rows
+    (`other_rows` > 0) a measured slope scales the forward t(n)."""
+
+    def __init__(self, decay: float, rel_slope: float) -> None:
+        self.rel_slope = rel_slope
+        self.measured_slope = 0.0
+        self.free_tokens = 1
+        self.other_rows = 0.0
+        self.points = DecayedLine(decay)
+        self._k_sum = self._k_weight = 0.0          # decayed drafts verified (this request's rounds only)
+
+    def add(self, k: int, t: float) -> None:
+        self.points.add(excess_tokens(k, self.free_tokens), t)
+        d = self.points.decay
+        self._k_sum, self._k_weight = d * self._k_sum + k, d * self._k_weight + 1
+
+    @property
+    def slope_units(self) -> float:
+        """s: one more token's cost relative to a one-token forward (measured, else the prior)."""
+        return self.measured_slope or self.rel_slope
+
+    def __call__(self, k: int) -> float | None:
+        moments = self.points.moments()
+        if moments is None:
+            return None
+        x = excess_tokens(k, self.free_tokens)
+        mean_x, mean_t, var_x = moments
+        if self.measured_slope > 0 and self.other_rows > 0 and self._k_weight > 0:
+            s, free, mean_k = self.measured_slope, self.free_tokens, self._k_sum / self._k_weight
+            return mean_t * forward_units(self.other_rows + k + 1, s, free) / \
+                forward_units(self.other_rows + mean_k + 1, s, free)
+        if self.measured_slope > 0 or var_x < 0.25:   # measured, or (almost) a single x seen: scale the mean
+            s = self.measured_slope or self.rel_slope
+            return mean_t * (1 + s * x) / (1 + s * mean_x)
+        slope = max(0.0, self.points.slope())
+        return max(0.0, mean_t + slope * (x - mean_x))
+

@@ -193,7 +193,7 @@ class GatewayConfig:
     enable_ngram: bool = True              # prompt-lookup drafts from the request's own context
     ngram_sizes: str = "4,3"
     local_draft_tokens: int = 16           # longest cache / n-gram draft per round
-    suffix_drafting: bool = False          # one suffix-tree proposer (gateway/suffix_drafter.py) replaces the
+    suffix_drafting: bool = False          # one suffix-tree proposer (gateway/proposers/suffix.py) replaces the
                                            # cache + n-gram tiers; its shared store uses the cache settings above
     draft_tree_width: int = 0              # alternatives per low-confidence draft position (token trees); 0 = chains
     overlap: bool = False                  # overlapped speculation (draft ahead of verdicts); off until measured

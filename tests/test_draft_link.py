@@ -22,7 +22,7 @@ import pytest_asyncio
 from draft_service.server import build_draft
 from draft_service.session_sync import place_delta, plan_sync
 from gateway.draft_link import BACKOFF_ROUNDS, DraftLink, LinkCall, LinkState, OnError
-from gateway.drafters import ModelDrafter
+from gateway.proposers.draft_model import ModelDrafter
 from protos.specmesh.v1 import draft_pb2_grpc
 from specmesh.config import DraftConfig, EngineConfig
 from specmesh.engine.loop import EngineError

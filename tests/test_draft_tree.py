@@ -12,7 +12,8 @@ import torch
 from transformers import AutoTokenizer
 
 from gateway.draft_tree import build_tree, main_chain_len
-from gateway.drafters import NO_DRAFT, Draft, ModelDrafter
+from gateway.proposers.base import NO_DRAFT, Draft
+from gateway.proposers.draft_model import ModelDrafter
 from gateway.round_outcomes import RoundOutcomes, classify
 from protos.specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specmesh.models import resolve_model_dir

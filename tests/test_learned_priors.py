@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from gateway.adaptive import DraftLengthController
 from gateway.learned_priors import LearnedPriors, PriorKey
+from gateway.proposers.cost_model import RoundCostModel
 from gateway.suffix_choice import LOCAL, MODEL, ProposerChoice
 from gateway.suffix_tree import Proposal
 from gateway.verify_cost import VerifyCost
@@ -30,23 +31,23 @@ CHEAP_DRAFTS = {"draft_per_token": 0.01, "verify_base": 0.1, "verify_per_token":
 def finished_request(priors: LearnedPriors, acceptance: float, key: PriorKey = GREEDY, rounds: int = 30,
                      costs: dict[str, float] = CPU_COSTS) -> None:
     ctrl = DraftLengthController(max_k=8, initial_k=8)
-    priors.start(key, ctrl, None)
+    priors.start(key, RoundCostModel(ctrl))
     run_rounds(ctrl, rounds, acceptance, **costs)
-    priors.finish(key, ctrl, None)
+    priors.finish(key, RoundCostModel(ctrl))
 
 
 def test_a_new_request_starts_at_the_draft_length_ended_requests_learned() -> None:
     priors = LearnedPriors()
     finished_request(priors, acceptance=0.0)
     low = DraftLengthController(max_k=8, initial_k=8)
-    priors.start(GREEDY, low, None)
+    priors.start(GREEDY, RoundCostModel(low))
     assert low.k == 1                                  # best is 0 (drafts never pay); speculation still probes
     assert low.draft_cost() == pytest.approx(0.08) and low.verify_cost(0) is not None
 
     priors = LearnedPriors()
     finished_request(priors, acceptance=1.0, costs=CHEAP_DRAFTS)
     high = DraftLengthController(max_k=8, initial_k=2)
-    priors.start(GREEDY, high, None)
+    priors.start(GREEDY, RoundCostModel(high))
     assert high.k == 8
 
 
@@ -54,7 +55,7 @@ def test_a_short_request_spends_fewer_rounds_at_a_bad_draft_length() -> None:
     priors = LearnedPriors()
     finished_request(priors, acceptance=0.0)
     cold, warm = DraftLengthController(max_k=8, initial_k=8), DraftLengthController(max_k=8, initial_k=8)
-    priors.start(GREEDY, warm, None)
+    priors.start(GREEDY, RoundCostModel(warm))
     cold_ks = run_rounds(cold, 8, 0.0, **CPU_COSTS)
     warm_ks = run_rounds(warm, 8, 0.0, **CPU_COSTS)
     assert sum(warm_ks) < sum(cold_ks) / 2             # every drafted token was wasted time here
@@ -66,7 +67,7 @@ def test_the_request_s_own_rounds_outweigh_the_prior() -> None:
     for _ in range(5):
         finished_request(priors, acceptance=0.0, costs=CHEAP_DRAFTS)
     ctrl = DraftLengthController(max_k=8, initial_k=8)
-    priors.start(GREEDY, ctrl, None)
+    priors.start(GREEDY, RoundCostModel(ctrl))
     assert ctrl.k == 1
     run_rounds(ctrl, 12, 1.0, **CHEAP_DRAFTS)
     assert ctrl.k >= 4 and ctrl.acceptance() > 0.8    # a prior of at most 3 rounds cannot hold it back
@@ -78,21 +79,21 @@ def test_a_tenant_starts_from_its_own_book_else_the_gateway_s() -> None:
     assert priors.rounds(PriorKey("a", False))[0] > 0 and priors.rounds(PriorKey("a", True)) == (0.0, 0.0)
     assert priors.rounds(PriorKey("b", False)) == (0.0, 0.0)
     newcomer = DraftLengthController(max_k=8, initial_k=8)
-    priors.start(PriorKey("b", False), newcomer, None)         # no book of its own: the gateway's (tenant a's)
+    priors.start(PriorKey("b", False), RoundCostModel(newcomer))   # no book of its own: the gateway's (tenant a's)
     assert newcomer.k == 1 and newcomer.draft_cost() == pytest.approx(0.01)
     sampled = DraftLengthController(max_k=8, initial_k=8)
-    priors.start(PriorKey("b", True), sampled, None)            # nothing sampled has ended yet
+    priors.start(PriorKey("b", True), RoundCostModel(sampled))            # nothing sampled has ended yet
     assert sampled.k == 8 and sampled.draft_cost() is None
     finished_request(priors, acceptance=1.0, key=PriorKey("b", False), costs=CHEAP_DRAFTS)
     own, other = DraftLengthController(max_k=8, initial_k=2), DraftLengthController(max_k=8, initial_k=2)
-    priors.start(PriorKey("b", False), own, None)
-    priors.start(PriorKey("a", False), other, None)
+    priors.start(PriorKey("b", False), RoundCostModel(own))
+    priors.start(PriorKey("a", False), RoundCostModel(other))
     assert own.acceptance() > other.acceptance() + 0.3          # each tenant's own book first
 
 
 def test_a_request_without_rounds_adds_nothing() -> None:
     priors = LearnedPriors()
-    priors.finish(GREEDY, DraftLengthController(max_k=4), ProposerChoice())
+    priors.finish(GREEDY, RoundCostModel(DraftLengthController(max_k=4), ProposerChoice()))
     assert priors.rounds(GREEDY) == (0.0, 0.0)
 
 
@@ -127,9 +128,9 @@ def test_a_choice_starts_knowing_costs_and_how_far_suffix_counts_can_be_trusted(
         choice.observe_verify(4, 0.3, VerifyCost(0.4))
         choice.observe_suffix(LOCAL, proposal, [])            # the suffix drafts were never accepted
     priors = LearnedPriors()
-    priors.finish(GREEDY, None, choice)
+    priors.finish(GREEDY, RoundCostModel(choice=choice))
     fresh, warm = ProposerChoice(), ProposerChoice()
-    priors.start(GREEDY, None, warm)
+    priors.start(GREEDY, RoundCostModel(choice=warm))
     assert fresh.cost_s(MODEL, 4) == 0.0 and warm.cost_s(MODEL, 4) == pytest.approx(0.3)
     assert warm.verify_slope == 0.4 and warm.verify_s(0) == pytest.approx(choice.verify_s(0))
     assert warm.expected_suffix(LOCAL, proposal) < 0.5 * fresh.expected_suffix(LOCAL, proposal)
@@ -178,9 +179,9 @@ def test_a_choice_started_from_a_poor_model_book_still_tries_the_model_on_its_ow
         chat.observe_verify(3, 0.1, VerifyCost(0.4, 4))
         chat.observe_model(3, 0, 0.3, 0.1)
     priors = LearnedPriors()
-    priors.finish(GREEDY, None, chat)
+    priors.finish(GREEDY, RoundCostModel(choice=chat))
     code = ProposerChoice()
-    priors.start(GREEDY, None, code)
+    priors.start(GREEDY, RoundCostModel(choice=code))
     option = {MODEL: (code.expected_model(3), 3)}
     assert code.rate(MODEL, *option[MODEL]) < code.rate("none", 0.0, 0)     # the estimates say target-only
     picks = []

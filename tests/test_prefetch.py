@@ -11,7 +11,8 @@ import pytest
 import pytest_asyncio
 
 from draft_service.engine import Drafts
-from gateway.drafters import Draft, ModelDrafter
+from gateway.proposers.base import Draft
+from gateway.proposers.draft_model import ModelDrafter
 from protos.specmesh.v1 import common_pb2, draft_pb2_grpc
 from specmesh.engine.loop import EngineError
 from specmesh.spec.sampling import SamplingParams

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.drafters import NO_DRAFT, Draft
+from gateway.proposers.base import NO_DRAFT, Draft
 from gateway.request_state import RequestState, RoundEvent
 from protos.specmesh.v1 import common_pb2
 

@@ -21,7 +21,7 @@ import pytest_asyncio
 from transformers import AutoTokenizer
 
 from draft_service.server import build_draft
-from gateway.drafters import ModelDrafter
+from gateway.proposers.draft_model import ModelDrafter
 from protos.specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, generate_pb2, verifier_pb2, verifier_pb2_grpc
 from specmesh.config import DraftConfig, EngineConfig, VerifierConfig
 from specmesh.models import resolve_model_dir

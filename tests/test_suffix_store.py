@@ -13,7 +13,8 @@ import pytest
 import pytest_asyncio
 import redis
 
-from gateway.drafters import Draft, VerifiedTokens
+from gateway.proposers.base import Draft, VerifiedTokens
+from gateway.proposers.compose import build_policy
 from gateway.tiers import DraftTiers, TierSettings
 from gateway.validation import GenerationParams
 from kvstore.codec import ValueCodec, pack_varints
@@ -174,17 +175,17 @@ async def test_down_and_hung_are_fast_misses(server) -> None:
 @pytest.mark.parametrize("shared", [False, True])
 async def test_drafter_scope_is_per_tenant_unless_shared(shared: bool) -> None:
     store = open_suffix_store(settings(), "m", "t")
-    tiers = DraftTiers(TierSettings(vocab_size=1000, shared_scope=shared, suffix_drafting=True), store)
+    tiers = DraftTiers(TierSettings(vocab_size=1000, shared_scope=shared, suffix_drafting=True), None, store=store)
     params = GenerationParams("r", [1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(), 32, (), 4, True)
     output = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
-    writer = tiers.drafter(None, "alpha")
+    writer = build_policy(tiers, None, "alpha")
     writer.observe(Draft([], None, common_pb2.DRAFT_SOURCE_NONE), 0, VerifiedTokens(params.prompt_ids, output))
     await writer.close()                                          # records every verified position
     context = params.prompt_ids + output[:2]
     room = params.max_new_tokens - 2 - 1                          # RequestState.draft_room after 2 tokens
-    draft = await tiers.drafter(None, "alpha").propose(context, 4, room)
+    draft = await build_policy(tiers, None, "alpha").propose(context, 4, room)
     assert draft.source == common_pb2.DRAFT_SOURCE_CACHE and draft.token_ids == output[2:]
-    other = await tiers.drafter(None, "beta").propose(context, 4, room)
+    other = await build_policy(tiers, None, "beta").propose(context, 4, room)
     assert other.token_ids == (output[2:] if shared else [])
     assert tiers.snapshot()["cache_hits"] == (2 if shared else 1)
 
@@ -194,14 +195,14 @@ async def test_drafter_proposes_a_tree_where_two_continuations_are_frequent() ->
     params = GenerationParams("r", prompt, SamplingParams(), 32, (), 4, True)
     tiers = DraftTiers(TierSettings(vocab_size=1000, suffix_drafting=True, max_branches=2), None)
     room = params.max_new_tokens - 1 - 1
-    draft = await tiers.drafter(None, "alpha").propose(prompt + [3], 4, room)   # "1 2 3": then 9 9 6 or 8 8 7
+    draft = await build_policy(tiers, None, "alpha").propose(prompt + [3], 4, room)   # "1 2 3": then 9 9 6 or 8 8 7
     assert draft.source == common_pb2.DRAFT_SOURCE_NGRAM
     assert draft.parents is not None
     paths = {tuple(draft.token_ids[j] for j in path) for path in _leaf_paths(draft.parents)}
     assert paths == {(8, 8, 7), (9, 9, 6)}                     # 3 matched tokens: at most 6 nodes
     assert tiers.snapshot()["tree_drafts"] == 1
     chains = DraftTiers(TierSettings(vocab_size=1000, suffix_drafting=True), None)
-    chain = await chains.drafter(None, "alpha").propose(prompt + [3], 4, room)
+    chain = await build_policy(chains, None, "alpha").propose(prompt + [3], 4, room)
     assert chain.parents is None and chain.token_ids == [8, 8, 7, 1, 2, 3]    # a tie: the smaller id (p = 0.5)
 
 

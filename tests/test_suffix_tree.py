@@ -11,9 +11,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.draft_link import DraftLink
-from gateway.drafters import Draft, VerifiedTokens
+from gateway.proposers.base import Draft, VerifiedTokens
+from gateway.proposers.compose import build_policy
+from gateway.proposers.cost_model import RoundObservation
+from gateway.proposers.policy import ProposerPolicy
+from gateway.proposers.suffix_rule import with_branches
 from gateway.suffix_choice import GLOBAL, LOCAL, MODEL, NONE, PROBE_BUDGET, PROBE_EVERY, ProposerChoice, depths
-from gateway.suffix_drafter import with_branches
 from gateway.suffix_index import ContextIndex
 from gateway.suffix_tree import CountNode, accepted_nodes, merge_tries, speculate, trie_from_continuations
 from gateway.tiers import DraftTiers, TierSettings
@@ -201,6 +204,7 @@ class _BackingOffModel:
         self.link = DraftLink()
         self.link.backoff_rounds = backoff_rounds
         self.num_calls = self.num_prefetch_hits = self.bytes_sent = self.bytes_received = 0
+        self.tree_width, self.tree_pricing = 0, None      # (the ModelProposer protocol: chains)
 
     @property
     def skip_rounds(self) -> int:
@@ -216,7 +220,7 @@ async def test_suffix_drafting_gives_the_model_back_after_a_draft_link_backoff()
     service failure left the rest of the request undrafted (seen as 30 target-only rounds on a code prompt)."""
     model = _BackingOffModel(backoff_rounds=3)
     tiers = DraftTiers(TierSettings(vocab_size=512, suffix_drafting=True), None)
-    drafter = tiers.drafter(model, "t")  # type: ignore[arg-type]
+    drafter = build_policy(tiers, model, "t")  # type: ignore[arg-type]
     for _ in range(3):
         assert not (await drafter.propose([1, 2, 3, 9], 4, 62)).token_ids
     assert model.num_calls == 0 and model.skip_rounds == 0
@@ -237,23 +241,32 @@ class _TreeModel(_BackingOffModel):
         return Draft([7, 8, 9, 5], None, common_pb2.DRAFT_SOURCE_MODEL, [-1, 0, 1, 0])
 
 
+def _verified(drafter: ProposerPolicy, draft: Draft, num_accepted: int, output: list[int], cost: VerifyCost) -> None:
+    """What the round loop does with a verdict: the cost model learns from it once, then the drafter's bookkeeping.
+    `output` ends with the round's accepted drafts and the target's own token."""
+    accepted = tuple(output[len(output) - num_accepted - 1:-1])
+    drafter.cost_model.observe(RoundObservation(draft.source, len(draft.token_ids), num_accepted, 0.0, 0.001, cost,
+                                                accepted_ids=accepted, draft=draft))
+    drafter.observe(draft, num_accepted, VerifiedTokens([1, 2, 3], list(output)), cost)
+
+
 async def test_the_choice_learns_the_models_chain_and_its_tree_alternatives_apart() -> None:
     """Regression: a tree from the draft service was scored as a 4-token chain, so its alternative leaf read as a
     rejected chain token (acceptance diluted); and with no adaptive draft length its width went unpriced."""
     model = _TreeModel()
     tiers = DraftTiers(TierSettings(vocab_size=512, suffix_drafting=True), None)
-    drafter = tiers.drafter(model, "t")  # type: ignore[arg-type]
-    assert model.tree_pricing == drafter.choice.model.tree_width       # the suffix drafter prices the width
+    drafter = build_policy(tiers, model, "t")  # type: ignore[arg-type]
+    assert model.tree_pricing == drafter.cost_model.tree_width         # the suffix drafter prices the width
     output: list[int] = []
     for i in range(8):                                                 # the whole chain is accepted every time
         draft = await drafter.propose([1, 2, 3, *output], 4, 63 - len(output))
         assert draft.parents == [-1, 0, 1, 0]
         output += [7, 8, 9, 100 + i]                                   # the chain, then the target's own token
-        drafter.observe(draft, 3, VerifiedTokens([1, 2, 3], list(output)), cost=VerifyCost(0.4))
-    assert drafter.choice.model.acceptance() > 0.9
-    missed = drafter.choice.model.alternative_hit_rate()
+        _verified(drafter, draft, 3, output, VerifyCost(0.4))
+    assert drafter.cost_model.choice.model.acceptance() > 0.9
+    missed = drafter.cost_model.choice.model.alternative_hit_rate()
     assert missed < 0.15                                               # the alternative never hit (prior: 0.2)
     draft = await drafter.propose([1, 2, 3, *output], 4, 63 - len(output))
     output += [7, 5, 200]                                              # now it did: 7, then the alternative 5
-    drafter.observe(draft, 2, VerifiedTokens([1, 2, 3], list(output)), cost=VerifyCost(0.4))
-    assert drafter.choice.model.alternative_hit_rate() > missed
+    _verified(drafter, draft, 2, output, VerifyCost(0.4))
+    assert drafter.cost_model.choice.model.alternative_hit_rate() > missed

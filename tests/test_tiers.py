@@ -14,7 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from gateway.drafters import Draft, VerifiedTokens
+from gateway.proposers.base import Draft, VerifiedTokens
+from gateway.proposers.compose import build_policy
 from gateway.tiers import DraftTiers, TierSettings, tenant_from_metadata
 from gateway.validation import GenerationParams
 from kvstore.codec import ValueCodec
@@ -77,13 +78,13 @@ async def test_cache_scope_is_per_tenant_unless_shared(shared: bool) -> None:
                        MemoryDraftCache(KeyDeriver(b"k", "m", "t", (8, 4, 2)), ttl_s=60))
     params = GenerationParams("r", [1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(), 32, (), 4, True)
     output = [11, 12, 13, 14, 15, 16]
-    writer = tiers.drafter(None, "alpha")
+    writer = build_policy(tiers, None, "alpha")
     writer.observe(Draft([], None, common_pb2.DRAFT_SOURCE_NONE), 0, VerifiedTokens(params.prompt_ids, output))
     await writer.close()                                          # records every verified position
     context = params.prompt_ids + output[:2]
     room = params.max_new_tokens - 2 - 1                          # RequestState.draft_room after 2 tokens
-    assert (await tiers.drafter(None, "alpha").propose(context, 4, room)).token_ids == output[2:]
-    other = await tiers.drafter(None, "beta").propose(context, 4, room)
+    assert (await build_policy(tiers, None, "alpha").propose(context, 4, room)).token_ids == output[2:]
+    other = await build_policy(tiers, None, "beta").propose(context, 4, room)
     assert other.token_ids == (output[2:] if shared else [])
     assert tiers.snapshot()["cache_hits"] == (2 if shared else 1)
 

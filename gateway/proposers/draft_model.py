@@ -1,7 +1,6 @@
-"""Where a round's draft tokens come from. Every draft is verified the same way, so no drafter can change output.
-
-`ModelDrafter` asks the draft service over gRPC and keeps it in sync with the verified context; when the draft
-service fails or is slow, the round goes on without drafts (target-only) and drafting resumes a few rounds later.
+"""The draft model proposer: asks the draft service over gRPC and keeps it in sync with the verified context; when
+the draft service fails or is slow, the round goes on without drafts (target-only) and drafting resumes a few rounds
+later (gateway/draft_link.py).
 """
 
 from __future__ import annotations
@@ -10,17 +9,16 @@ import asyncio
 import functools
 import logging
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
-if TYPE_CHECKING:
-    from gateway.round_outcomes import RoundOutcomes
 from gateway.cleanup import END_SESSION_RETRY_S, end_until_done
 from gateway.draft_link import BACKOFF_ROUNDS, DraftLink, LinkCall, OnError
 from gateway.draft_tree import build_tree, main_chain_len
+from gateway.proposers.base import NO_DRAFT, Draft, Verified
+from gateway.round_outcomes import RoundOutcomes
 from gateway.verify_cost import UNKNOWN_COST, VerifyCost
 from protos.specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specmesh.rpc.proto_convert import sampling_to_proto
@@ -28,66 +26,6 @@ from specmesh.spec.rejection import SparseDist
 from specmesh.spec.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class Draft:
-    token_ids: list[int]
-    dists: list[SparseDist] | None          # None: greedy or one-hot drafts
-    source: int                             # common_pb2.DraftSource
-    # A token tree: parents[i] = index of node i's parent among the drafts, -1 = a child of the pending token;
-    # topological (parents[i] < i). None = a chain ([-1, 0, 1, ..., k-2]), today's drafts.
-    parents: list[int] | None = None
-    # (position, token): the likeliest alternative of the tree, at its least confident position (overlap drafts the
-    # continuation after it while the tree is verified). None: no alternatives.
-    likely_branch: tuple[int, int] | None = None
-
-
-NO_DRAFT = Draft([], None, common_pb2.DRAFT_SOURCE_NONE)
-
-
-class Verified(Protocol):
-    """A request's verified tokens as a proposer reads them on each call; `RequestState` (their one owner) is one."""
-
-    @property
-    def prompt_ids(self) -> Sequence[int]: ...
-
-    @property
-    def output_ids(self) -> Sequence[int]: ...
-
-
-@dataclass(frozen=True)
-class VerifiedTokens:
-    """A plain `Verified` (tests, benchmarks)."""
-    prompt_ids: Sequence[int]
-    output_ids: Sequence[int]
-
-
-class Proposer(Protocol):
-    """One source of drafts behind one `propose()`: the draft cache, n-gram lookup, the suffix tree (gateway/tiers.py,
-    gateway/suffix_*.py) and the draft model (`ModelDrafter`). A proposer may return NO_DRAFT; whatever it returns
-    is verified, so no proposer can change output. `num_tokens` is the draft model's length for the round, `room`
-    the most draft tokens worth verifying now (RequestState.draft_room; None: num_tokens): local proposers, whose
-    drafts are free, may fill it. `observe` is the round's outcome with the request's verified tokens after it (see
-    RequestState.on_round) and what the verifier reported about its forward's cost (gateway/verify_cost.py)."""
-
-    async def propose(self, context_ids: list[int], num_tokens: int, room: int | None = None) -> Draft: ...
-
-    def observe(self, draft: Draft, num_accepted: int, verified: Verified,
-                cost: VerifyCost = UNKNOWN_COST) -> None: ...
-
-
-class Drafter(Proposer, Protocol):
-    """What a generation drafts with: a proposer (or a choice among proposers, e.g. the tiers) that also prefills
-    alongside the verifier, may prefetch the next block, and releases its sessions on close."""
-
-    async def prefill(self, prompt_ids: list[int], num_tokens: int) -> None:
-        """Runs while the verifier prefills: the draft service computes the prompt's KV and drafts ahead."""
-
-    def prefetch(self, context_ids: list[int], draft: Draft, num_tokens: int) -> None:
-        """Told when the verifier starts on `draft`: may start fetching the block after it (a guess)."""
-
-    async def close(self) -> None: ...
-
 
 @dataclass
 class _Prefetch:
@@ -111,7 +49,7 @@ class ModelDrafter:
     owner_token: str = field(default_factory=lambda: secrets.token_urlsafe(16), repr=False)
     link: DraftLink = field(default_factory=DraftLink)
     tree_width: int = 0                      # > 0: token trees (alternatives at low-confidence positions)
-    # Prices the width each round (DraftLengthController.tree_width): max width -> width for this round.
+    # Prices the width each round (RoundCostModel.tree_width): max width -> width for this round.
     tree_pricing: Callable[[int], int] | None = field(default=None, repr=False)
     _round_width: int = 0
     outcomes: RoundOutcomes | None = None    # gateway-wide: whether a prefetch guessed the bonus token
@@ -254,7 +192,7 @@ class ModelDrafter:
             max_q_entries=self.max_q_entries, num_ahead_tokens=num_ahead_tokens,
             num_assumed_tokens=call.num_assumed_tokens, tree_width=self._round_width)
         self.bytes_sent += request.ByteSize()
-        response = await self.stub.Propose(request, timeout=self.timeout_s)
+        response: draft_pb2.ProposeResponse = await self.stub.Propose(request, timeout=self.timeout_s)
         self.bytes_received += response.ByteSize()
         return response
 

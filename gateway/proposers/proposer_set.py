@@ -1,0 +1,58 @@
+"""A request's proposers, and the gateway-wide counters their rounds bump (gateway/tier_stats.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.proposers.base import NO_DRAFT, Draft, ModelProposer
+from gateway.proposers.cache import CacheProposer
+from gateway.proposers.ngram import NgramProposer
+from gateway.proposers.suffix import LocalSuffixProposer, SharedSuffixProposer
+from gateway.tier_stats import DraftingStats
+from protos.specmesh.v1 import common_pb2
+
+
+@dataclass
+class ProposerSet:
+    """Each proposer a request may draft with (None: not configured for it). The tiers use cache, ngram and model;
+    suffix drafting uses local_suffix, shared_suffix and model."""
+    stats: DraftingStats
+    model: ModelProposer | None = None
+    cache: CacheProposer | None = None
+    ngram: NgramProposer | None = None
+    local_suffix: LocalSuffixProposer | None = None
+    shared_suffix: SharedSuffixProposer | None = None
+    _bytes_counted: tuple[int, int] = (0, 0)     # the model's bytes sent / received already counted
+
+    def count(self, source: int, ids: list[int]) -> Draft | None:
+        """A hit (ids) or a miss for the proposer's tier; the draft when it has one."""
+        counters = self.stats.tier(source)
+        if counters is not None:
+            if ids:
+                counters.hits += 1
+            else:
+                counters.misses += 1
+        return Draft(ids, None, source) if ids else None
+
+    def model_round_allowed(self) -> bool:
+        """False while the draft link backs off after a failure. Each such round uses one backoff round up, as
+        `ModelDrafter.propose` does: a round that never asked the model would leave it locked out for good."""
+        return self.model is not None and self.model.link.round_allowed()
+
+    async def from_model(self, context_ids: list[int], num_tokens: int) -> Draft:
+        if self.model is None or num_tokens <= 0:
+            return NO_DRAFT
+        hits = self.model.num_prefetch_hits
+        draft = await self.model.propose(context_ids, num_tokens)
+        self.stats.prefetch_hits += self.model.num_prefetch_hits - hits
+        self.count_bytes()
+        self.count(common_pb2.DRAFT_SOURCE_MODEL, draft.token_ids)
+        return draft
+
+    def count_bytes(self) -> None:
+        """Adds the draft link's traffic since the last count (prefetch answers arrive in the background)."""
+        if self.model is None:
+            return
+        self.stats.draft_bytes_sent += self.model.bytes_sent - self._bytes_counted[0]
+        self.stats.draft_bytes_received += self.model.bytes_received - self._bytes_counted[1]
+        self._bytes_counted = (self.model.bytes_sent, self.model.bytes_received)
