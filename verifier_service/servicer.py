@@ -9,6 +9,7 @@ service's reaper task (verifier_service/server.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
@@ -20,7 +21,8 @@ from specmesh.leases import SessionLeases, check_session_id
 from specmesh.limits import check_token_ids
 from specmesh.proto_convert import sampling_from_proto, sparse_dists_from_proto
 from specmesh.tree import check_parents
-from verifier_service.engine import VerifierEngine, VerifyResult
+from verifier_service.engine import VerifierEngine
+from verifier_service.forward_share import VerifyResult
 from verifier_service.tenant_share import TenantShare
 
 
@@ -35,7 +37,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.leases = leases
         self.max_draft_tokens = max_draft_tokens
         self.limits = limits or InputLimits()
-        self.share = share or TenantShare(getattr(engine, "max_num_sessions", 1 << 30), 0)   # per-tenant admission
+        self.share = share or TenantShare(engine.max_num_sessions, 0)   # per-tenant admission
 
     def _check_ids(self, ids: list[int], field: str) -> None:
         bad = [t for t in ids if t >= self.vocab_size]
@@ -43,7 +45,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             raise EngineError("INVALID_ARGUMENT", f"{field}: token id {bad[0]} >= vocab size {self.vocab_size}")
 
     async def StartSession(self, request: verifier_pb2.StartSessionRequest,
-                           context: grpc.aio.ServicerContext) -> verifier_pb2.StartSessionResponse:
+                           context: grpc.aio.ServicerContext[Any, Any]) -> verifier_pb2.StartSessionResponse:
         session_id = check_session_id(request.session_id)
         check_token_ids(len(request.prompt_token_ids), self.limits, "prompt_token_ids", "VERIFIER")
         prompt_ids = list(request.prompt_token_ids)
@@ -69,7 +71,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                                  lease_s=self.leases.lease_s)
 
     async def Verify(self, request: verifier_pb2.VerifyRequest,
-                     context: grpc.aio.ServicerContext) -> verifier_pb2.VerifyResponse:
+                     context: grpc.aio.ServicerContext[Any, Any]) -> verifier_pb2.VerifyResponse:
         session_id = check_session_id(request.session_id)
         if len(request.draft_token_ids) > self.max_draft_tokens:
             raise EngineError("INVALID_ARGUMENT", f"draft_token_ids has {len(request.draft_token_ids)} tokens; "
@@ -95,7 +97,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                            draining=self.engine.draining)
 
     async def EndSession(self, request: common_pb2.EndSessionRequest,
-                         context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:
+                         context: grpc.aio.ServicerContext[Any, Any]) -> common_pb2.EndSessionResponse:
         session_id = check_session_id(request.session_id)
         self.leases.check(session_id, request.owner_token)
         self.leases.close(session_id)
@@ -103,14 +105,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return common_pb2.EndSessionResponse()
 
     async def KeepAlive(self, request: common_pb2.KeepAliveRequest,
-                        context: grpc.aio.ServicerContext) -> common_pb2.KeepAliveResponse:
+                        context: grpc.aio.ServicerContext[Any, Any]) -> common_pb2.KeepAliveResponse:
         """Renews the lease (a call that ends now) and does nothing else."""
         with self.leases.call(check_session_id(request.session_id), request.owner_token):
             pass
         return common_pb2.KeepAliveResponse(lease_s=self.leases.lease_s)
 
     async def GetModelInfo(self, request: verifier_pb2.GetModelInfoRequest,
-                           context: grpc.aio.ServicerContext) -> verifier_pb2.ModelInfo:
+                           context: grpc.aio.ServicerContext[Any, Any]) -> verifier_pb2.ModelInfo:
         bm = self.engine.block_manager
         return verifier_pb2.ModelInfo(model_name=self.model_name, max_model_len=self.engine.max_model_len,
                                       vocab_size=self.vocab_size, eos_token_ids=list(self.eos_token_ids),
