@@ -10,8 +10,6 @@ sent first, is CANCELLED instead of creating the session again.
 
 from __future__ import annotations
 
-from typing import Any
-
 import grpc
 
 from draft_service.engine import DraftEngine, Drafts
@@ -56,7 +54,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             raise EngineError("INVALID_ARGUMENT", f"new_token_ids: token id {bad[0]} >= vocab size {self.vocab_size}")
 
     async def Propose(self, request: draft_pb2.ProposeRequest,
-                      context: grpc.aio.ServicerContext[Any, Any]) -> draft_pb2.ProposeResponse:
+                      context: grpc.aio.ServicerContext) -> draft_pb2.ProposeResponse:
         self._validate(request)
         params = sampling_from_proto(request.sampling)
         max_q = min(request.max_q_entries or self.max_q_entries, self.max_q_entries)
@@ -83,7 +81,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                                          alternatives=alternatives)
 
     async def EndSession(self, request: common_pb2.EndSessionRequest,
-                         context: grpc.aio.ServicerContext[Any, Any]) -> common_pb2.EndSessionResponse:
+                         context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:
         session_id = check_session_id(request.session_id)
         if request.owner_token:
             self.ended.remember(session_id, check_owner_token(request.owner_token))   # even if not created yet
@@ -93,7 +91,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         return common_pb2.EndSessionResponse()
 
     async def KeepAlive(self, request: common_pb2.KeepAliveRequest,
-                        context: grpc.aio.ServicerContext[Any, Any]) -> common_pb2.KeepAliveResponse:
+                        context: grpc.aio.ServicerContext) -> common_pb2.KeepAliveResponse:
         """Renews the lease of an open session (never creates one) and does nothing else."""
         with self.leases.call(check_session_id(request.session_id), request.owner_token):
             pass

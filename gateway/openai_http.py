@@ -184,7 +184,8 @@ class OpenAIHttp:
         if self.tokenizer is None:
             raise ApiError(404, "tokenize is not available on this HTTP API")
         body = await json_object(request)
-        self._check_model(body.get("model") if isinstance(body.get("model"), str) else "")
+        model = body.get("model")
+        self._check_model(model if isinstance(model, str) else "")
         add_special = body.get("add_special_tokens")
         if add_special is not None and not isinstance(add_special, bool):
             raise ApiError(400, "'add_special_tokens' must be of type bool", param="add_special_tokens")

@@ -9,7 +9,6 @@ service's reaper task (verifier_service/server.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import grpc
 
@@ -45,7 +44,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             raise EngineError("INVALID_ARGUMENT", f"{field}: token id {bad[0]} >= vocab size {self.vocab_size}")
 
     async def StartSession(self, request: verifier_pb2.StartSessionRequest,
-                           context: grpc.aio.ServicerContext[Any, Any]) -> verifier_pb2.StartSessionResponse:
+                           context: grpc.aio.ServicerContext) -> verifier_pb2.StartSessionResponse:
         session_id = check_session_id(request.session_id)
         check_token_ids(len(request.prompt_token_ids), self.limits, "prompt_token_ids", "VERIFIER")
         prompt_ids = list(request.prompt_token_ids)
@@ -71,7 +70,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                                  lease_s=self.leases.lease_s)
 
     async def Verify(self, request: verifier_pb2.VerifyRequest,
-                     context: grpc.aio.ServicerContext[Any, Any]) -> verifier_pb2.VerifyResponse:
+                     context: grpc.aio.ServicerContext) -> verifier_pb2.VerifyResponse:
         session_id = check_session_id(request.session_id)
         if len(request.draft_token_ids) > self.max_draft_tokens:
             raise EngineError("INVALID_ARGUMENT", f"draft_token_ids has {len(request.draft_token_ids)} tokens; "
@@ -97,7 +96,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                            draining=self.engine.draining)
 
     async def EndSession(self, request: common_pb2.EndSessionRequest,
-                         context: grpc.aio.ServicerContext[Any, Any]) -> common_pb2.EndSessionResponse:
+                         context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:
         session_id = check_session_id(request.session_id)
         self.leases.check(session_id, request.owner_token)
         self.leases.close(session_id)
@@ -105,14 +104,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return common_pb2.EndSessionResponse()
 
     async def KeepAlive(self, request: common_pb2.KeepAliveRequest,
-                        context: grpc.aio.ServicerContext[Any, Any]) -> common_pb2.KeepAliveResponse:
+                        context: grpc.aio.ServicerContext) -> common_pb2.KeepAliveResponse:
         """Renews the lease (a call that ends now) and does nothing else."""
         with self.leases.call(check_session_id(request.session_id), request.owner_token):
             pass
         return common_pb2.KeepAliveResponse(lease_s=self.leases.lease_s)
 
     async def GetModelInfo(self, request: verifier_pb2.GetModelInfoRequest,
-                           context: grpc.aio.ServicerContext[Any, Any]) -> verifier_pb2.ModelInfo:
+                           context: grpc.aio.ServicerContext) -> verifier_pb2.ModelInfo:
         bm = self.engine.block_manager
         return verifier_pb2.ModelInfo(model_name=self.model_name, max_model_len=self.engine.max_model_len,
                                       vocab_size=self.vocab_size, eos_token_ids=list(self.eos_token_ids),
