@@ -81,7 +81,7 @@ def _inner(model: nn.Module) -> _Qwen2Model:
 
 
 def _config(model: nn.Module) -> Qwen2Config:
-    """The model's config; a Qwen2Config where `supports` holds (other models: only the keys `supports` reads)."""
+    """The model's config, typed as a Qwen2Config (what it is when its model_type is "qwen2": `supports` checks)."""
     return cast(Qwen2Config, model.config)
 
 
@@ -100,10 +100,10 @@ def _library() -> ctypes.CDLL | None:
 def supports(model: nn.Module) -> bool:
     """A float32 Qwen2 decoder with plain RoPE and SiLU, no sliding window, and the kernel built."""
     cfg = _config(model)
-    # getattr: a model of another architecture may lack these config keys
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    return (getattr(cfg, "model_type", None) == "qwen2" and cfg.hidden_act == "silu"
-            and rope.get("rope_type", "default") == "default" and not getattr(cfg, "use_sliding_window", False)
+    if cfg.model_type != "qwen2":       # (then the config is a Qwen2Config)
+        return False
+    rope = cfg.rope_parameters or {}
+    return (cfg.hidden_act == "silu" and rope.get("rope_type", "default") == "default" and not cfg.use_sliding_window
             and next(model.parameters()).dtype == torch.float32 and _library() is not None)
 
 
