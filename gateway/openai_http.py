@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from transformers import PreTrainedTokenizerBase
 
 import specmesh
-from gateway.http_edge import error_middleware, forwarded_metadata, json_object
+from gateway.http_edge import Handler, error_middleware, forwarded_metadata, json_object
 from gateway.openai_protocol import (
     ApiError,
     ParsedRequest,
@@ -110,7 +110,7 @@ class OpenAIHttp:
 
     @web.middleware
     async def _check_api_key(self, request: web.Request,
-                             handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+                             handler: Handler) -> web.StreamResponse:
         if self.api_keys is not None and request.path.startswith("/v1/"):
             verdict = resolve_tenant(self.api_keys, request.headers.get("Authorization"),
                                      request.headers.get(TENANT_HEADER))
@@ -326,7 +326,8 @@ def add_loopback_port(server: ServiceServer) -> str:
 def loopback_channel_factory(config: GatewayConfig) -> Callable[[str], grpc.aio.Channel]:
     """The channel to the gateway's own gRPC port: plaintext, or TLS with tls_ca (plus the client certificate)."""
     if not config.tls.tls_cert:
-        return grpc.aio.insecure_channel
+        plaintext: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel
+        return plaintext
     if not config.tls.tls_ca:
         raise ValueError("http_port with TLS on the gRPC port needs tls_ca (the CA of tls_cert) for the loopback")
     return lambda addr: internal_channel(addr, config.tls)

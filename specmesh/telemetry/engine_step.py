@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext
@@ -31,13 +32,13 @@ def _links(contexts: Iterable[SpanContext | None]) -> list[Link]:
     return links
 
 
-def num_context_tokens(item: ScheduledItem) -> int:
+def num_context_tokens(item: ScheduledItem[Any]) -> int:
     """Tokens of the item that are already in its sequence (more than 1: it computes a prompt's or context's KV;
     the rest of the item, if any, are drafts)."""
     return min(len(item.token_ids), len(item.request.seq.token_ids) - item.start_pos)
 
 
-def batch_attributes(batch: Sequence[ScheduledItem]) -> dict[str, int]:
+def batch_attributes(batch: Sequence[ScheduledItem[Any]]) -> dict[str, int]:
     """Sequences and tokens of a forward, and its composition as the scheduler put it: decode tokens (work of
     sequences already decoding) and prefill tokens (prompt or recomputed context chunks)."""
     decode = sum(len(i.token_ids) for i in batch if i.is_decode)
@@ -47,7 +48,7 @@ def batch_attributes(batch: Sequence[ScheduledItem]) -> dict[str, int]:
 
 
 @contextmanager
-def forward_span(engine: str, metrics: EngineMetrics, batch: Sequence[ScheduledItem],
+def forward_span(engine: str, metrics: EngineMetrics, batch: Sequence[ScheduledItem[Any]],
                  links: Iterable[SpanContext | None] | None,
                  step_attributes: dict[str, float] | None = None) -> Iterator[None]:
     """Wraps one forward: a span named "<engine> forward" (unless links is None) and the batch metrics.
