@@ -1,5 +1,5 @@
 # specmesh: `make demo` runs the whole stack on the real offline pair and streams a generation; `make test` runs
-# the test suite. Both create .venv and install everything on first use.
+# ruff, mypy (configured in pyproject.toml) and the test suite. Both create .venv and install everything on first use.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -30,10 +30,12 @@ demo-tiny: install
 
 test: install
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 validate-deploy: install
 	deploy/validate.sh

@@ -44,7 +44,7 @@ from transformers import AttentionInterface
 from bench.common import fastest_s, log, result_paths, run_metadata, write_json
 from specmesh.config import EngineConfig
 from specmesh.engine.batched import BatchedEngine
-from specmesh.engine.batched_rejection import greedy_verify_batch
+from specmesh.engine.batched_rejection import greedy_accept
 from specmesh.engine.build import build_engine_parts
 from specmesh.engine.loop import EngineError
 from specmesh.engine.model_runner import kv_cache_geometry
@@ -120,7 +120,7 @@ def bare_runner(model: Any, shape: Shape) -> Callable[[], float]:
 
 
 # ------------------------------------------------------------------------------------------------- engine step
-class BenchEngine(BatchedEngine):
+class BenchEngine(BatchedEngine[ForwardRequest]):
     """The verifier's step without RPCs: greedy-verifies every finished request in one batched step, then rolls its
     sequence back so the next step has the same shape."""
 
@@ -134,7 +134,7 @@ class BenchEngine(BatchedEngine):
         return []
 
     def finish_batch(self, requests: Sequence[ForwardRequest], logits: torch.Tensor) -> None:
-        self.accepted = greedy_verify_batch(logits, [r.extra_ids for r in requests])
+        self.accepted = [greedy_accept(self.argmax_rows(r), r.extra_ids) for r in requests]   # as the verifier
         for request in requests:
             if self.filling:
                 request.seq.num_computed = len(request.seq.token_ids) - 1

@@ -55,7 +55,7 @@ class DraftSession:
     busy: bool = False             # a caller waits for this session's drafts
     tail_dists: list[SparseDist | None] = field(default_factory=list)   # q of each tail token (None: greedy)
     tail_alts: list[Alternatives] = field(default_factory=list)          # tree siblings of each tail token
-    ahead: ForwardRequest | None = None                                  # background drafting in the queue
+    ahead: DraftRequest | None = None                                    # background drafting in the queue
     guess_rate: GuessRate = field(default_factory=GuessRate)             # of its forwards' prompt-lookup guesses
 
 
@@ -83,10 +83,17 @@ class Proposal:
     num_total_tokens: int          # keep drafting (in the background) up to this many
     params: SamplingParams
     max_q_entries: int
-    done: Completion
+    done: Completion[Drafts]
     answered: bool = False
     tree_width: int = 0
     tree_confidence: float = 0.0
+
+
+@dataclass(kw_only=True)
+class DraftRequest(ForwardRequest):
+    """One draft forward of a proposal (the next token, after any guesses)."""
+
+    proposal: Proposal
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,7 @@ class _Propose:
     num_draft_tokens: int
     params: SamplingParams
     max_q_entries: int
-    done: Completion
+    done: Completion[Drafts]
     num_ahead_tokens: int = 0
     num_assumed_tokens: int = 0    # the context's last tokens are a guess (prefetch): never hashed as verified
     tree_width: int = 0            # alternatives per low-confidence position
@@ -136,7 +143,7 @@ def position_seed(base_seed: int, position: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-class DraftEngine(BatchedEngine):
+class DraftEngine(BatchedEngine[DraftRequest]):
     trace_steps = False     # k one-token forwards per proposal: the Propose span covers them (metrics still kept)
 
     def __init__(self, runner: ModelRunner, block_manager: BlockManager, max_model_len: int,
@@ -161,10 +168,10 @@ class DraftEngine(BatchedEngine):
     # ---- called from the event loop ---------------------------------------------------------------------------
     def propose(self, session_id: str, context_len: int, new_token_ids: list[int], num_draft_tokens: int,
                 params: SamplingParams, max_q_entries: int, num_ahead_tokens: int = 0,
-                num_assumed_tokens: int = 0, tree_width: int = 0, tree_confidence: float = 0.0) -> Completion:
+                num_assumed_tokens: int = 0, tree_width: int = 0, tree_confidence: float = 0.0) -> Completion[Drafts]:
         """num_ahead_tokens: tokens to draft in the background after answering (0 = k + 1 if draft-ahead is on).
         num_assumed_tokens: the context's last tokens are not verified yet (a prefetch assumes them accepted)."""
-        done = Completion()
+        done: Completion[Drafts] = Completion()
         self.post(_Propose(session_id, context_len, new_token_ids, num_draft_tokens, params, max_q_entries, done,
                            num_ahead_tokens, num_assumed_tokens, tree_width, tree_confidence))
         return done
@@ -178,8 +185,8 @@ class DraftEngine(BatchedEngine):
             session = self.sessions.pop(message.session_id, None)
             if session is not None:
                 for req in self.scheduler.release(session.seq):
-                    if not req.payload.answered:
-                        req.payload.done.set_exception(EngineError("CANCELLED", "session ended"))
+                    if not req.proposal.answered:
+                        req.proposal.done.set_exception(EngineError("CANCELLED", "session ended"))
             return
         try:
             self._handle_propose(message)
@@ -227,8 +234,8 @@ class DraftEngine(BatchedEngine):
         failed): the older caller gets ABORTED and its queued drafting stops; tokens it drafted stay in the tail
         and are kept if the new context continues them."""
         for request in self.scheduler.cancel(session.seq):
-            if not request.payload.answered:
-                request.payload.done.set_exception(EngineError("ABORTED", "superseded by a newer Propose"))
+            if not request.proposal.answered:
+                request.proposal.done.set_exception(EngineError("ABORTED", "superseded by a newer Propose"))
         session.busy = False
         session.ahead = None
 
@@ -279,7 +286,7 @@ class DraftEngine(BatchedEngine):
 
     def _enqueue(self, proposal: Proposal) -> None:
         guesses = self._guesses(proposal)
-        request = ForwardRequest(proposal.session.seq, guesses, len(guesses) + 1, proposal)
+        request = DraftRequest(proposal.session.seq, guesses, len(guesses) + 1, proposal=proposal)
         self.scheduler.enqueue(request)
         proposal.session.ahead = request if proposal.answered else None
 
@@ -296,13 +303,13 @@ class DraftEngine(BatchedEngine):
     def idle_seqs(self) -> Iterable[SeqState]:
         return (s.seq for s in self.sessions.values() if not s.busy)
 
-    def submitted_at(self, request: ForwardRequest) -> float | None:
-        proposal: Proposal = request.payload
+    def submitted_at(self, request: DraftRequest) -> float | None:
+        proposal = request.proposal
         return None if proposal.answered else proposal.done.submitted_at
 
-    def finish(self, request: ForwardRequest, logits: torch.Tensor) -> None:
+    def finish(self, request: DraftRequest, logits: torch.Tensor) -> None:
         """logits [1 + g, V] for the position after the session's last token and after each of its g guesses."""
-        proposal: Proposal = request.payload
+        proposal = request.proposal
         session = proposal.session
         session.ahead = None
         seq = session.seq
@@ -337,7 +344,7 @@ class DraftEngine(BatchedEngine):
         # The verifier sees q as float32 over the wire: sample from exactly those numbers.
         probs32 = [float(x) for x in np.asarray(probs, dtype=np.float32)]
         position = len(proposal.session.seq.token_ids)
-        if proposal.params.is_seeded:
+        if proposal.params.seed is not None:   # seeded (params.is_seeded: greedy returned above)
             # The noise the verifier draws the target's token at this position with (specmesh/spec/seeded.py): a q
             # close to p mostly proposes the very token the target draws. Drawn from the q sent, so a verifier
             # that runs rejection sampling instead stays exact too.
@@ -350,8 +357,8 @@ class DraftEngine(BatchedEngine):
         generator = make_generator(position_seed(proposal.session.base_seed, position))
         return sample_sparse(ids, probs32, generator), SparseDist(tuple(ids), tuple(probs32))
 
-    def fail(self, request: ForwardRequest, exc: EngineError) -> None:
-        proposal: Proposal = request.payload
+    def fail(self, request: DraftRequest, exc: EngineError) -> None:
+        proposal = request.proposal
         if proposal.session.ahead is request:
             proposal.session.ahead = None
         if not proposal.answered:

@@ -26,7 +26,7 @@ FINAL_CODES = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.NOT_
 
 def backoff_s(attempt: int, first_s: float = 0.2, max_s: float = 5.0) -> float:
     """Wait before retry number `attempt` (1-based): first_s doubling, capped at max_s."""
-    return min(max_s, first_s * 2 ** (attempt - 1))
+    return min(max_s, first_s * 2.0 ** (attempt - 1))
 
 
 async def end_until_done(call: Callable[[], Awaitable[object]], side: str, give_up_s: float = END_SESSION_RETRY_S,

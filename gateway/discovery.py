@@ -27,7 +27,8 @@ Resolver = Callable[[str, int], Awaitable[list[str]]]     # (host, port) -> "ip:
 async def resolve_dns(host: str, port: int) -> list[str]:
     """Every address of host (sorted: the same order on every gateway)."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    addrs = {f"[{a[4][0]}]:{a[4][1]}" if a[0] == socket.AF_INET6 else f"{a[4][0]}:{a[4][1]}" for a in infos}
+    # str(): getaddrinfo's sockaddr types allow bytes (AF_PACKET); stream sockets of AF_INET/AF_INET6 give str, int
+    addrs = {f"[{a[4][0]}]:{str(a[4][1])}" if a[0] == socket.AF_INET6 else f"{a[4][0]}:{str(a[4][1])}" for a in infos}
     return sorted(addrs)
 
 
@@ -61,7 +62,7 @@ def parse_addrs(spec: str, field_name: str) -> list[Entry]:
 class Discovery:
     """The current addresses of one address list; `on_change(addrs)` is called with every new set."""
     entries: Sequence[Entry]
-    on_change: Callable[[list[str]], None]
+    on_change: Callable[[list[str]], object]
     resolver: Resolver = resolve_dns
     interval_s: float = 5.0
     _last: dict[str, list[str]] = field(default_factory=dict)    # dns target -> its last answer

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from gateway.openai_protocol import ApiError
 from specmesh.config import InputLimits, TlsConfig
@@ -46,8 +47,7 @@ def _api_error_of(exc: web.HTTPException, request: web.Request, max_body_bytes: 
     return ApiError(exc.status, message, code=exc.reason.lower().replace(" ", "_"))
 
 
-def error_middleware(metrics: GatewayMetrics | None, max_body_bytes: int = MAX_BODY_BYTES
-                     ) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def error_middleware(metrics: GatewayMetrics | None, max_body_bytes: int = MAX_BODY_BYTES) -> Middleware:
     """Turns ApiError, aiohttp's HTTP errors (404, 405, 413, ...) and any unexpected exception into OpenAI's
     `{"error": {...}}` JSON; counts the refusals the HTTP layer made itself (the gRPC service counts its own)."""
 

@@ -44,7 +44,7 @@ def text(value: str, param: str) -> str:
 
 
 def int_field(body: dict[str, Any], key: str, low: int, high: int, default: int | None = None) -> int | None:
-    value = get(body, key, int, default)
+    value: int | None = get(body, key, int, default)
     if value is not None and not low <= value <= high:
         raise ApiError(400, f"'{key}' must be an integer in [{low}, {high}]", param=key)
     return value

@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerBase
 
 import specmesh
 from gateway.channels import internal_channel
-from gateway.http_edge import error_middleware, forwarded_metadata, json_object
+from gateway.http_edge import Handler, error_middleware, forwarded_metadata, json_object
 from gateway.openai_protocol import (
     ApiError,
     ParsedRequest,
@@ -110,7 +110,7 @@ class OpenAIHttp:
 
     @web.middleware
     async def _check_api_key(self, request: web.Request,
-                             handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+                             handler: Handler) -> web.StreamResponse:
         if self.api_keys is not None and request.path.startswith("/v1/"):
             verdict = resolve_tenant(self.api_keys, request.headers.get("Authorization"),
                                      request.headers.get(TENANT_HEADER))
@@ -184,7 +184,8 @@ class OpenAIHttp:
         if self.tokenizer is None:
             raise ApiError(404, "tokenize is not available on this HTTP API")
         body = await json_object(request)
-        self._check_model(body.get("model") if isinstance(body.get("model"), str) else "")
+        model = body.get("model")
+        self._check_model(model if isinstance(model, str) else "")
         add_special = body.get("add_special_tokens")
         if add_special is not None and not isinstance(add_special, bool):
             raise ApiError(400, "'add_special_tokens' must be of type bool", param="add_special_tokens")
@@ -325,7 +326,8 @@ def add_loopback_port(server: ServiceServer) -> str:
 def loopback_channel_factory(config: GatewayConfig) -> Callable[[str], grpc.aio.Channel]:
     """The channel to the gateway's own gRPC port: plaintext, or TLS with tls_ca (plus the client certificate)."""
     if not config.tls.tls_cert:
-        return grpc.aio.insecure_channel
+        plaintext: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel
+        return plaintext
     if not config.tls.tls_ca:
         raise ValueError("http_port with TLS on the gRPC port needs tls_ca (the CA of tls_cert) for the loopback")
     return lambda addr: internal_channel(addr, config.tls)

@@ -129,7 +129,7 @@ def usage_dict(usage: generate_pb2.Usage) -> dict[str, int]:
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
 
 
-def finish_reason(reason: int) -> str | None:
+def finish_reason(reason: common_pb2.FinishReason) -> str | None:
     return FINISH_REASONS.get(reason)
 
 

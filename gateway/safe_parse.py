@@ -20,7 +20,8 @@ _parse = safe_deserializer(generate_pb2.GenerateRequest.FromString)
 
 def parse_generate_request(data: bytes) -> generate_pb2.GenerateRequest | UndecodableRequest:
     assert _parse is not None
-    return _parse(data)
+    parsed: generate_pb2.GenerateRequest | UndecodableRequest = _parse(data)
+    return parsed
 
 
 def add_generation_servicer(servicer: generate_pb2_grpc.GenerationServicer, server: grpc.aio.Server) -> None:

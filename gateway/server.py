@@ -43,8 +43,8 @@ async def fetch_model_info(pool: VerifierPool, discovery: Discovery, wait_s: flo
         await discovery.refresh()
         for replica in pool.all():
             try:
-                info = await replica.stub.GetModelInfo(verifier_pb2.GetModelInfoRequest(), timeout=5.0,
-                                                       wait_for_ready=True)
+                info: verifier_pb2.ModelInfo = await replica.stub.GetModelInfo(
+                    verifier_pb2.GetModelInfoRequest(), timeout=5.0, wait_for_ready=True)
             except grpc.aio.AioRpcError as exc:
                 problem = f"{replica.addr}: {exc.code().name} {exc.details()}"
                 continue

@@ -22,7 +22,7 @@ import logging
 import re
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -194,7 +194,7 @@ class IncrementalDetokenizer:
     def _decode(self, ids: Sequence[int]) -> str:
         if not ids:
             return ""
-        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+        return cast(str, self._tokenizer.decode(list(ids), skip_special_tokens=True))     # one sequence: one str
 
     def _emit(self, delta: str) -> str:
         if delta:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 from google.protobuf import unknown_fields
 from google.protobuf.message import Message
@@ -46,7 +47,7 @@ def _prompt_text(request: generate_pb2.GenerateRequest, tokenizer: PreTrainedTok
         if getattr(tokenizer, "chat_template", None) is None:
             raise invalid("messages: the model has no chat template; send a plain prompt")
         chat = [{"role": m.role, "content": m.content} for m in request.messages]
-        return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        return cast(str, tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))  # text
     check_prompt(request.prompt, config.limits)
     if not request.prompt.strip():
         raise invalid("prompt must not be empty")
@@ -58,7 +59,8 @@ def _refuse_unknown_fields(request: generate_pb2.GenerateRequest) -> None:
     parts: list[tuple[str, Message]] = [("request", request)]      # sampling: in sampling_from_proto
     parts += [(f"messages[{i}]", m) for i, m in enumerate(request.messages)]
     for name, message in parts:
-        numbers = [field.field_number for field in unknown_fields.UnknownFieldSet(message)]
+        fields = unknown_fields.UnknownFieldSet(message)
+        numbers = [fields[i].field_number for i in range(len(fields))]
         if numbers:
             raise invalid(f"{name} has field number {numbers[0]}, which this server does not know (a newer "
                           "specmesh.v1?); it would be ignored")

@@ -101,7 +101,7 @@ class VerifierSession:
                      ) -> verifier_pb2.StartSessionResponse:
         replica.num_opened += 1                      # counted while it starts: a burst spreads over the replicas
         try:
-            start = await replica.stub.StartSession(request, timeout=self.timeout_s)
+            start: verifier_pb2.StartSessionResponse = await replica.stub.StartSession(request, timeout=self.timeout_s)
         except BaseException:
             replica.release()
             raise
@@ -166,7 +166,7 @@ class VerifierSession:
         if not call.done() or call.cancelled():
             raise SessionLost("lost", f"{replica.addr} stopped answering health probes or left discovery")
         try:
-            response = call.result()
+            response: verifier_pb2.VerifyResponse = call.result()
         except grpc.aio.AioRpcError as exc:
             if exc.code() in MOVABLE:
                 raise SessionLost("unavailable", f"{exc.code().name}: {exc.details()}") from exc

@@ -33,9 +33,12 @@ WRITE_BATCH = 128            # records per pipelined write
 
 
 def make_client(url: str, cluster: bool, timeout_s: float, retries: int, max_connections: int) -> Redis | RedisCluster:
-    options = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), retries),
-                   max_connections=max_connections)
-    return RedisCluster.from_url(url, **options) if cluster else Redis.from_url(url, **options)
+    retry = Retry(NoBackoff(), retries)
+    if cluster:
+        return RedisCluster.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=retry,
+                                     max_connections=max_connections)
+    return Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=retry,
+                          max_connections=max_connections)
 
 
 class RedisDraftCache:

@@ -222,7 +222,7 @@ def _flat_fields(cls: type, prefix: str = "") -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
     for f in fields(cls):
         typ = hints[f.name]
-        if dataclasses.is_dataclass(typ):
+        if isinstance(typ, type) and dataclasses.is_dataclass(typ):
             out.extend((f"{f.name}.{name}", t) for name, t in _flat_fields(typ))
         else:
             out.append((f.name, typ))

@@ -1,11 +1,14 @@
-"""The batched greedy verify agrees with the chain oracle `specmesh.spec.rejection.verify_greedy` on every request."""
+"""The verifier's greedy verify (one argmax over every row of the forward, as `BatchedEngine.argmax_rows` takes it,
+then `greedy_accept` on each request's rows) agrees with the chain oracle `specmesh.spec.rejection.verify_greedy`."""
 
 from __future__ import annotations
+
+from itertools import accumulate
 
 import pytest
 import torch
 
-from specmesh.engine.batched_rejection import greedy_accept, greedy_verify_batch
+from specmesh.engine.batched_rejection import greedy_accept
 from specmesh.spec.rejection import verify_greedy
 
 
@@ -21,7 +24,9 @@ def test_batched_greedy_verify_equals_the_oracle_per_request() -> None:
             for i, t in enumerate(d):
                 if torch.rand((), generator=g) < 0.7:
                     r[i, t] = 5.0
-        got = greedy_verify_batch(torch.cat(rows), drafts)
+        argmax = torch.argmax(torch.cat(rows), dim=-1).tolist()        # the forward's one argmax
+        cu = [0, *accumulate(len(d) + 1 for d in drafts)]               # request i: rows cu[i] .. cu[i + 1] - 1
+        got = [greedy_accept(argmax[cu[i]:cu[i + 1]], d) for i, d in enumerate(drafts)]
         assert got == [verify_greedy(r, d) for d, r in zip(drafts, rows, strict=True)]
 
 
@@ -31,8 +36,6 @@ def test_all_accepted_emits_the_bonus_token() -> None:
     assert greedy_accept([3], []) == [3]
 
 
-def test_shape_and_vocabulary_errors() -> None:
+def test_rows_must_match_the_drafts() -> None:
     with pytest.raises(ValueError):
-        greedy_verify_batch(torch.zeros(3, 4), [[1], [2]])      # needs 4 rows
-    with pytest.raises(ValueError):
-        greedy_verify_batch(torch.zeros(2, 4), [[9]])           # id outside the vocabulary
+        greedy_accept([1, 2], [1, 2])           # needs 3 rows

@@ -21,6 +21,7 @@ from specmesh.ops import client
 from specmesh.rpc.leases import SessionLeases
 from tests.stack import start_gateway, start_verifier
 from verifier_service.servicer import VerifierServicer
+from verifier_service.tenant_share import TenantShare
 
 LIMITS = InputLimits(max_body_bytes=8192, max_prompt_chars=100, max_messages=3, max_stop_strings=2,
                      max_stop_string_len=5, max_new_tokens_limit=20, max_request_id_len=10, max_token_ids=50)
@@ -136,8 +137,12 @@ async def test_tokenize_within_the_caps(gateway) -> None:
         assert response.status == 200 and (await response.json())["count"] > 0
 
 
+NO_SHARE = TenantShare(1 << 30, 0)     # the servicers below have no engine (its session count sizes the share)
+
+
 async def test_verifier_caps_the_prompt_token_ids() -> None:
-    servicer = VerifierServicer(None, "m", 1000, (), SessionLeases(60.0), limits=LIMITS)    # type: ignore[arg-type]
+    servicer = VerifierServicer(None, "m", 1000, (), SessionLeases(60.0), limits=LIMITS,    # type: ignore[arg-type]
+                                share=NO_SHARE)
     request = verifier_pb2.StartSessionRequest(session_id="s", prompt_token_ids=[1] * 51)
     with pytest.raises(EngineError) as info:
         await servicer.StartSession(request, None)    # type: ignore[arg-type]
@@ -148,7 +153,8 @@ async def test_verifier_caps_the_prompt_token_ids() -> None:
 
 
 async def test_verifier_caps_the_entries_of_draft_dists() -> None:
-    servicer = VerifierServicer(None, "m", 1000, (), SessionLeases(60.0), limits=LIMITS)    # type: ignore[arg-type]
+    servicer = VerifierServicer(None, "m", 1000, (), SessionLeases(60.0), limits=LIMITS,    # type: ignore[arg-type]
+                                share=NO_SHARE)
     dists = [common_pb2.SparseDist(token_ids=list(range(30)), probs=[1.0] * 30)] * 2
     request = verifier_pb2.VerifyRequest(session_id="s", draft_token_ids=[1, 2], draft_dists=dists)
     with pytest.raises(EngineError) as info:
@@ -157,7 +163,8 @@ async def test_verifier_caps_the_entries_of_draft_dists() -> None:
 
 
 async def test_verifier_caps_the_draft_tokens() -> None:
-    servicer = VerifierServicer(None, "m", 1000, (), SessionLeases(60.0), max_draft_tokens=4)  # type: ignore[arg-type]
+    servicer = VerifierServicer(None, "m", 1000, (), SessionLeases(60.0), max_draft_tokens=4,  # type: ignore[arg-type]
+                                share=NO_SHARE)
     with pytest.raises(EngineError) as info:
         await servicer.Verify(verifier_pb2.VerifyRequest(session_id="s", draft_token_ids=[1] * 5), None)
     assert info.value.code == "INVALID_ARGUMENT" and "the limit is max_draft_tokens = 4" in str(info.value)

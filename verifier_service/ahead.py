@@ -35,7 +35,7 @@ def match_ahead(ahead_ids: Sequence[int], draft_ids: Sequence[int], parents: Seq
     """ahead_ids: the target's own greedy tokens after the caller's context (at least one); draft_ids / parents:
     the verify's drafts (parents None = a chain)."""
     tree = list(parents) if parents is not None else chain_parents(len(draft_ids))
-    node, path = ROOT, []
+    node, path = ROOT, list[int]()
     for token in ahead_ids:
         hit = next((c for c in children(tree, node) if draft_ids[c] == token), None)
         if hit is None:                 # a draft rejected here, or no draft left: the ahead token is the verdict

@@ -23,6 +23,7 @@ import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from opentelemetry.trace import SpanContext
@@ -52,7 +53,7 @@ class _Start:
     session_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    done: Completion
+    done: Completion[VerifyResult]
     deadline: float | None = None
     max_new_tokens: int = 0
     speculative: bool = False
@@ -63,7 +64,7 @@ class _Verify:
     session_id: str
     draft_ids: list[int]
     draft_dists: list[SparseDist] | None
-    done: Completion
+    done: Completion[VerifyResult]
     deadline: float | None = None
     draft_parents: list[int] | None = None     # a token tree (None = chain)
 
@@ -79,13 +80,27 @@ class _Drafts:
     is_ahead_step: bool = False                # no caller: decoding ahead (greedy), after any guesses
 
 
+class Caller(Protocol):
+    """Who waits for a queued request's answer: the verify's `Completion`, or nobody (`_NoCaller`)."""
+
+    @property
+    def span_context(self) -> SpanContext | None: ...
+
+    @property
+    def submitted_at(self) -> float | None: ...
+
+    def set_result(self, value: VerifyResult) -> None: ...
+
+    def set_exception(self, exc: BaseException) -> None: ...
+
+
 class _NoCaller:
     """The completion of a decode-ahead step: nobody waits for it."""
 
     span_context = None
     submitted_at = None
 
-    def set_result(self, value: object) -> None:
+    def set_result(self, value: VerifyResult) -> None:
         pass
 
     def set_exception(self, exc: BaseException) -> None:
@@ -96,12 +111,22 @@ _AHEAD_STEP = _Drafts(None, is_ahead_step=True)
 _NO_CALLER = _NoCaller()
 
 
+@dataclass(kw_only=True)
+class VerifyRequest(ForwardRequest):
+    """A session's work in the scheduler's queue: its start (a verify of no drafts), a verify, or a step decoding
+    ahead."""
+
+    session: Session
+    drafts: _Drafts
+    done: Caller
+
+
 @dataclass(frozen=True)
 class _End:
     session_id: str
 
 
-class VerifierEngine(BatchedEngine):
+class VerifierEngine(BatchedEngine[VerifyRequest]):
     def __init__(self, runner: ModelRunner, block_manager: BlockManager, max_model_len: int,
                  max_num_batched_tokens: int, max_num_seqs: int, max_queue_len: int, num_threads: int,
                  max_ahead_tokens: int = 0, eos_token_ids: Iterable[int] = ()) -> None:
@@ -125,19 +150,19 @@ class VerifierEngine(BatchedEngine):
     # ---- called from the event loop ---------------------------------------------------------------------------
     def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
                       deadline: float | None = None, max_new_tokens: int = 0,
-                      speculative: bool = False) -> Completion:
+                      speculative: bool = False) -> Completion[VerifyResult]:
         """deadline: time.monotonic() after which the work is dropped (DEADLINE_EXCEEDED) if not yet run;
         max_new_tokens: the most the caller will take (0 = up to the context length), a bound on decoding ahead;
         speculative: the caller drafts for this session (decoding ahead may guess in rounds without drafts too)."""
-        done = Completion()
+        done: Completion[VerifyResult] = Completion()
         self._urgent = True
         self.post(_Start(session_id, prompt_ids, params, done, deadline, max_new_tokens, speculative))
         return done
 
     def verify(self, session_id: str, draft_ids: list[int], draft_dists: list[SparseDist] | None,
-               deadline: float | None = None, draft_parents: list[int] | None = None) -> Completion:
+               deadline: float | None = None, draft_parents: list[int] | None = None) -> Completion[VerifyResult]:
         """draft_parents: a token tree over draft_ids (validated by the caller; None = chain)."""
-        done = Completion()
+        done: Completion[VerifyResult] = Completion()
         if draft_ids and not self._settled_ahead(session_id, draft_ids, draft_parents):
             self._urgent = True
         self.post(_Verify(session_id, draft_ids, draft_dists, done, deadline, draft_parents))
@@ -239,9 +264,9 @@ class VerifierEngine(BatchedEngine):
         self._enqueue(session, [draft_ids[i] for i in kept], drafts, msg.done, msg.deadline)
 
     def _enqueue(self, session: Session, draft_ids: list[int], drafts: _Drafts,
-                 done: Completion, deadline: float | None) -> None:
-        request = ForwardRequest(session.seq, draft_ids, len(draft_ids) + 1, (session, drafts, done),
-                                 deadline=deadline)
+                 done: Caller, deadline: float | None) -> None:
+        request = VerifyRequest(session.seq, draft_ids, len(draft_ids) + 1, deadline=deadline, session=session,
+                                drafts=drafts, done=done)
         self.scheduler.enqueue(request)    # INVALID_ARGUMENT when the drafts alone exceed the step's token budget
         session.busy = True
 
@@ -250,7 +275,7 @@ class VerifierEngine(BatchedEngine):
         if session is None:
             return
         for req in self.scheduler.release(session.seq):
-            req.payload[2].set_exception(exc)
+            req.done.set_exception(exc)
 
     def idle_seqs(self) -> Iterable[SeqState]:
         return (s.seq for s in self.sessions.values() if not s.busy)
@@ -266,7 +291,7 @@ class VerifierEngine(BatchedEngine):
         verify_waiting = any(map(self.scheduler.is_decode, self.scheduler))
         ahead = [] if verify_waiting else self._ahead_sessions()
         self._ahead_beside_drafts = any(s.drafting for s in ahead) and not self.scheduler.num_waiting
-        requests = [ForwardRequest(s.seq, g, len(g) + 1, (s, _AHEAD_STEP, _NO_CALLER))
+        requests = [VerifyRequest(s.seq, g, len(g) + 1, session=s, drafts=_AHEAD_STEP, done=_NO_CALLER)
                     for s, g in zip(ahead, self.ahead.guesses_for(ahead, self._ahead_fit(ahead)), strict=True)]
         for request in requests:                    # (not `busy`: a verify arriving next finds none of them)
             self.scheduler.enqueue(request)
@@ -280,13 +305,13 @@ class VerifierEngine(BatchedEngine):
     def _ahead_fit(self, ahead: list[Session]) -> Fit:
         return self.forward_cost.fit(self.threads_for(len(ahead)))
 
-    def interrupt_check(self, batch: list[ScheduledItem]) -> Callable[[], bool] | None:
+    def interrupt_check(self, batch: list[ScheduledItem[VerifyRequest]]) -> Callable[[], bool] | None:
         """A step that only decodes ahead gives way to a start or a verify that needs a forward."""
-        if not batch or not all(item.request.payload[1].is_ahead_step for item in batch):
+        if not batch or not all(item.request.drafts.is_ahead_step for item in batch):
             return None
         return lambda: self._urgent
 
-    def interrupted(self, request: ForwardRequest) -> None:
+    def interrupted(self, request: VerifyRequest) -> None:
         """Only steps that decode ahead give way: nobody waits for them; the token is simply not decoded yet."""
         self.ahead.counts.interrupted += 1
 
@@ -300,17 +325,17 @@ class VerifierEngine(BatchedEngine):
     def _ahead_sessions(self) -> list[Session]:
         return self.ahead.sessions(self.sessions.values(), self.block_manager)
 
-    def _forward_item(self, item: ScheduledItem) -> ForwardItem:
+    def _forward_item(self, item: ScheduledItem[VerifyRequest]) -> ForwardItem:
         forward_item = super()._forward_item(item)
         self.share.ran(item.request, len(item.token_ids))
-        parents = item.request.payload[1].parents
+        parents = item.request.drafts.parents
         if parents is None or not item.is_final:
             return forward_item
         return dataclasses.replace(forward_item, tree_parents=parents)
 
-    def finish(self, req: ForwardRequest, logits: torch.Tensor) -> None:
+    def finish(self, req: VerifyRequest, logits: torch.Tensor) -> None:
         """logits [n+1, V] for the pending token and the n drafts (chain or tree nodes)."""
-        session, drafts, done = req.payload
+        session, drafts = req.session, req.drafts
         seq = session.seq
         if drafts.is_ahead_step:             # the pending token's next token, after any guesses it confirms
             emitted = greedy_accept(self._greedy_rows(req, session, logits), req.extra_ids)
@@ -322,7 +347,7 @@ class VerifierEngine(BatchedEngine):
             emitted = self._sample(req, session, logits, drafts.dists)
             accepted = list(range(len(emitted) - 1))
         else:
-            accepted, final = self._sample_tree(session, logits, req.extra_ids, drafts)
+            accepted, final = self._sample_tree(session, logits, req.extra_ids, drafts.parents, drafts.dists)
             self._keep_path(seq, accepted)
             emitted = [req.extra_ids[i] for i in accepted] + [final]
         if drafts.node_indices is not None:
@@ -333,11 +358,11 @@ class VerifierEngine(BatchedEngine):
         self._commit(session, emitted, len(emitted) - 1)
         self.ahead.delivered(session, len(drafts.ahead_path))
         path = list(drafts.ahead_path) + accepted
-        self.share.hold(req, done, VerifyResult(seq.token_ids[first_new:], len(path), tuple(path), num_cached,
+        self.share.hold(req, req.done, VerifyResult(seq.token_ids[first_new:], len(path), tuple(path), num_cached,
                                                 self.num_batch_tokens, self.scheduler.num_waiting,
                                                 self.forward_cost.fit(self.forward_threads)), len(emitted))
 
-    def finish_batch(self, requests: list[ForwardRequest], logits: torch.Tensor) -> None:
+    def finish_batch(self, requests: list[VerifyRequest], logits: torch.Tensor) -> None:
         try:
             super().finish_batch(requests, logits)
         finally:                             # the answers go out with what the other sessions had of the forward
@@ -364,28 +389,28 @@ class VerifierEngine(BatchedEngine):
         slots = self.block_manager.slot_mapping(seq.seq_id, base, base + accepted[-1] + 1)
         self.runner.move_kv([slots[src - base] for src, _ in moves], [slots[dst - base] for _, dst in moves])
 
-    def _greedy_rows(self, req: ForwardRequest, session: Session, logits: torch.Tensor) -> list[int]:
+    def _greedy_rows(self, req: VerifyRequest, session: Session, logits: torch.Tensor) -> list[int]:
         return greedy_rows(session, logits, req.extra_ids, lambda: self.argmax_rows(req))
 
-    def _sample_tree(self, session: Session, logits: torch.Tensor, node_ids: Sequence[int],
-                     drafts: _Drafts) -> tuple[list[int], int]:
-        return tree_verdict(session, logits, node_ids, drafts.parents, drafts.dists)
+    def _sample_tree(self, session: Session, logits: torch.Tensor, node_ids: Sequence[int], parents: Sequence[int],
+                     dists: list[SparseDist] | None) -> tuple[list[int], int]:
+        return tree_verdict(session, logits, node_ids, parents, dists)
 
-    def _sample(self, req: ForwardRequest, session: Session, logits: torch.Tensor,
+    def _sample(self, req: VerifyRequest, session: Session, logits: torch.Tensor,
                 dists: list[SparseDist] | None) -> list[int]:
         return chain_verdict(session, logits, req.extra_ids, dists, lambda: self.argmax_rows(req))
 
-    def span_context(self, req: ForwardRequest) -> SpanContext | None:
-        return req.payload[2].span_context
+    def span_context(self, req: VerifyRequest) -> SpanContext | None:
+        return req.done.span_context
 
-    def submitted_at(self, req: ForwardRequest) -> float | None:
-        return req.payload[2].submitted_at
+    def submitted_at(self, req: VerifyRequest) -> float | None:
+        return req.done.submitted_at
 
-    def fail(self, req: ForwardRequest, exc: EngineError) -> None:
-        session = req.payload[0]
-        req.payload[2].set_exception(exc)
+    def fail(self, req: VerifyRequest, exc: EngineError) -> None:
+        session = req.session
+        req.done.set_exception(exc)
         session.busy = False
-        if req.payload[1].is_ahead_step:     # nobody asked for it: the session goes on (its KV is recomputed)
+        if req.drafts.is_ahead_step:     # nobody asked for it: the session goes on (its KV is recomputed)
             return
         if self.sessions.get(session.session_id) is session:
             self._close(session.session_id, exc)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Protocol
 
 from specmesh.engine.forward_cost import UNKNOWN as UNKNOWN_COST
 from specmesh.engine.forward_cost import Fit
-from specmesh.engine.loop import Completion
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,15 @@ class VerifyResult:
     num_other_tokens: int = 0    # tokens the forward emitted for those sessions
 
 
+class Answer(Protocol):
+    def set_result(self, value: VerifyResult) -> None: ...
+
+
 class ForwardShare:
     def __init__(self) -> None:
         self._rows: dict[int, int] = {}            # id(request) -> its rows in the current step
         self._emitted = 0                          # tokens the step emitted so far (every request)
-        self._held: list[tuple[Completion, VerifyResult, int, int]] = []   # answer, its rows, its emitted tokens
+        self._held: list[tuple[Answer, VerifyResult, int, int]] = []   # answer, its rows, its emitted tokens
 
     def ran(self, request: object, num_rows: int) -> None:
         """A request's item in the step being prepared has `num_rows` rows (its chunk, or all its tokens)."""
@@ -44,7 +48,7 @@ class ForwardShare:
         """A finished request nobody waits for (decoding ahead) emitted `num_tokens`."""
         self._emitted += num_tokens
 
-    def hold(self, request: object, done: Completion, result: VerifyResult, num_emitted: int) -> None:
+    def hold(self, request: object, done: Answer, result: VerifyResult, num_emitted: int) -> None:
         """A finished request's answer, sent at `release`; `num_emitted` tokens of it came from this step (the rest
         were decoded ahead in earlier ones)."""
         self._emitted += num_emitted

@@ -20,7 +20,8 @@ from specmesh.rpc.leases import SessionLeases, check_session_id
 from specmesh.rpc.limits import check_token_ids
 from specmesh.rpc.proto_convert import sampling_from_proto, sparse_dists_from_proto
 from specmesh.spec.tree import check_parents
-from verifier_service.engine import VerifierEngine, VerifyResult
+from verifier_service.engine import VerifierEngine
+from verifier_service.forward_share import VerifyResult
 from verifier_service.tenant_share import TenantShare
 
 
@@ -35,7 +36,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.leases = leases
         self.max_draft_tokens = max_draft_tokens
         self.limits = limits or InputLimits()
-        self.share = share or TenantShare(getattr(engine, "max_num_sessions", 1 << 30), 0)   # per-tenant admission
+        self.share = share or TenantShare(engine.max_num_sessions, 0)   # per-tenant admission
 
     def _check_ids(self, ids: list[int], field: str) -> None:
         bad = [t for t in ids if t >= self.vocab_size]

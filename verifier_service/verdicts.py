@@ -38,7 +38,7 @@ def chain_verdict(session: Session, logits: torch.Tensor, draft_ids: Sequence[in
     if params.is_greedy:                   # verify_greedy is the oracle
         return greedy_accept(greedy_rows(session, logits, draft_ids, step_argmax), draft_ids)
     target_probs = logits_to_probs(adjust_chain(logits, params, session.seq.token_ids, draft_ids), params)
-    if params.is_seeded:
+    if params.seed is not None:            # seeded (params.is_seeded: greedy returned above)
         base, seed = len(session.seq.token_ids), params.seed
         return accept_chain(lambda i: seeded_token(target_probs[i], seed, base + i), draft_ids)
     draft_dists = dists if dists else [SparseDist((t,), (1.0,)) for t in draft_ids]
@@ -53,7 +53,7 @@ def tree_verdict(session: Session, logits: torch.Tensor, node_ids: Sequence[int]
     if params.is_greedy:
         return verify_tree_greedy(logits, node_ids, parents)
     target_probs = logits_to_probs(logits, params)
-    if params.is_seeded:
+    if params.seed is not None:            # seeded (params.is_seeded: greedy returned above)
         base, seed = len(session.seq.token_ids), params.seed
         return accept_tree(lambda row, depth: seeded_token(target_probs[row], seed, base + depth), node_ids, parents)
     tree_dists = dists if dists else [SparseDist((t,), (1.0,)) for t in node_ids]

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Generic
 
 import torch
 from opentelemetry.trace import SpanContext
@@ -22,6 +22,7 @@ from specmesh.engine.model_runner import ForwardItem, ModelRunner
 from specmesh.engine.prefill_wait import PrefillClock
 from specmesh.engine.scheduler import (
     ForwardRequest,
+    R,
     ScheduledItem,
     Scheduler,
     SeqState,
@@ -36,8 +37,9 @@ from specmesh.telemetry.metrics import EngineMetrics
 log = logging.getLogger(__name__)
 
 
-class BatchedEngine(EngineThread):
-    """Subclasses say which sequences are idle (preemptible) and what to do with each finished request's logits."""
+class BatchedEngine(EngineThread, Generic[R]):
+    """Subclasses say which sequences are idle (preemptible) and what to do with each finished request's logits;
+    R is their request type (a ForwardRequest carrying what they need to answer it)."""
 
     sessions: dict[str, Any]     # set by subclasses
     trace_steps = True           # a span per forward (metrics are always kept)
@@ -49,7 +51,8 @@ class BatchedEngine(EngineThread):
         self.block_manager = block_manager
         # seconds of a step by its size (every forward), which sizes the steps that carry prefill (step_budget.py)
         self.step_cost = StepCost()
-        self.scheduler = Scheduler(block_manager, max_num_batched_tokens, max_num_seqs, StepBudget(self.step_seconds))
+        self.scheduler: Scheduler[R] = Scheduler(block_manager, max_num_batched_tokens, max_num_seqs,
+                                                 StepBudget(self.step_seconds))
         self.prefill_clock = PrefillClock()       # when forwards carrying prefill ran (waits behind prefill)
         self.num_steps = 0
         self.num_threads = num_threads
@@ -94,27 +97,27 @@ class BatchedEngine(EngineThread):
     def idle_seqs(self) -> Iterable[SeqState]:
         raise NotImplementedError
 
-    def finish(self, request: ForwardRequest, logits: torch.Tensor) -> None:
+    def finish(self, request: R, logits: torch.Tensor) -> None:
         """logits [num_logits, V] of a request whose tokens all ran."""
         raise NotImplementedError
 
-    def fail(self, request: ForwardRequest, exc: EngineError) -> None:
+    def fail(self, request: R, exc: EngineError) -> None:
         raise NotImplementedError
 
-    def interrupt_check(self, batch: list[ScheduledItem]) -> Callable[[], bool] | None:
+    def interrupt_check(self, batch: list[ScheduledItem[R]]) -> Callable[[], bool] | None:
         """A check the forward of `batch` asks between layers: True abandons it (see `interrupted`). None: never."""
         return None
 
-    def interrupted(self, request: ForwardRequest) -> None:
+    def interrupted(self, request: R) -> None:
         """A request whose forward was abandoned: out of the queue already, its KV as before the forward (the
         scheduler drops the slots it reserved when the sequence runs next)."""
         raise NotImplementedError
 
-    def span_context(self, request: ForwardRequest) -> SpanContext | None:
+    def span_context(self, request: R) -> SpanContext | None:
         """The span of the caller that submitted the request: the forward's span links to it."""
         return None
 
-    def submitted_at(self, request: ForwardRequest) -> float | None:
+    def submitted_at(self, request: R) -> float | None:
         """time.monotonic() when a waiting caller submitted the request (None: nobody waits for it)."""
         return None
 
@@ -153,7 +156,7 @@ class BatchedEngine(EngineThread):
         self.step_cost.observe(self.num_batch_tokens, threads, self.forward_s)
         if not self.forward_prefills:
             self.forward_cost.observe(self.num_batch_tokens, threads, self.forward_s)
-        finished: list[ForwardRequest] = []
+        finished: list[R] = []
         for item in batch:
             if item.is_final:
                 finished.append(item.request)
@@ -164,7 +167,7 @@ class BatchedEngine(EngineThread):
         self._logits = logits
         self.finish_batch(finished, logits)
 
-    def _step_attributes(self, batch: list[ScheduledItem]) -> dict[str, float]:
+    def _step_attributes(self, batch: list[ScheduledItem[R]]) -> dict[str, float]:
         """Observes each decode request's wait behind prefill; the step span's scheduling attributes."""
         now, longest = time.monotonic(), 0.0
         for item in batch:
@@ -179,7 +182,7 @@ class BatchedEngine(EngineThread):
             attributes["specmesh.step.time_bound_s"] = bound
         return attributes
 
-    def finish_batch(self, requests: list[ForwardRequest], logits: torch.Tensor) -> None:
+    def finish_batch(self, requests: list[R], logits: torch.Tensor) -> None:
         """logits [sum of num_logits, V]: the finished requests' rows back to back, in order. By default each
         request is finished alone; a fault fails only its own request."""
         for request, rows in zip(requests, torch.split(logits, [r.num_logits for r in requests]), strict=True):
@@ -189,7 +192,7 @@ class BatchedEngine(EngineThread):
                 log.exception("%s finishing seq %d failed", self._name, request.seq.seq_id)
                 self._fail_unexpected(request, exc)
 
-    def argmax_rows(self, request: ForwardRequest) -> list[int]:
+    def argmax_rows(self, request: R) -> list[int]:
         """The argmax of each of `request`'s logits rows in the current step (inside finish / finish_batch). The
         first call takes one argmax over every row of the forward [num_tokens, V]; later calls slice it."""
         if self._argmax is None:
@@ -198,15 +201,15 @@ class BatchedEngine(EngineThread):
         return self._argmax[start:start + request.num_logits]
 
     @staticmethod
-    def _row_offsets(requests: list[ForwardRequest]) -> list[int]:
+    def _row_offsets(requests: Sequence[ForwardRequest]) -> list[int]:
         offsets, start = [], 0
         for r in requests:
             offsets.append(start)
             start += r.num_logits
         return offsets
 
-    def _forward_items(self, batch: list[ScheduledItem]) -> tuple[list[ScheduledItem], list[ForwardItem]]:
-        kept: list[ScheduledItem] = []
+    def _forward_items(self, batch: list[ScheduledItem[R]]) -> tuple[list[ScheduledItem[R]], list[ForwardItem]]:
+        kept: list[ScheduledItem[R]] = []
         items: list[ForwardItem] = []
         for item in batch:
             try:
@@ -218,20 +221,20 @@ class BatchedEngine(EngineThread):
                 kept.append(item)
         return kept, items
 
-    def _fail_unexpected(self, request: ForwardRequest, exc: BaseException) -> None:
+    def _fail_unexpected(self, request: R, exc: BaseException) -> None:
         """Fail one request after a fault in its processing; its KV is dropped (recomputed if its sequence goes on)."""
         error = exc if isinstance(exc, EngineError) else EngineError("INTERNAL", f"engine step failed: {exc!r}")
         self.scheduler.remove(request)
         self.scheduler.reset(request.seq)
         self._fail_one(request, error)
 
-    def _fail_one(self, request: ForwardRequest, error: EngineError) -> None:
+    def _fail_one(self, request: R, error: EngineError) -> None:
         try:
             self.fail(request, error)
         except Exception:
             log.exception("%s failing seq %d raised", self._name, request.seq.seq_id)
 
-    def _forward_item(self, item: ScheduledItem) -> ForwardItem:
+    def _forward_item(self, item: ScheduledItem[R]) -> ForwardItem:
         table = self.block_manager.block_table(item.request.seq.seq_id)
         return ForwardItem(item.token_ids, item.start_pos, table, item.request.num_logits if item.is_final else 0)
 

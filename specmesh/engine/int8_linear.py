@@ -38,7 +38,7 @@ class Int8PerTokenLinear(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).float().contiguous()                        # [tokens, in]
         absmax = rows.abs().amax(-1, keepdim=True).clamp_min(1e-30)                 # one scale per token
-        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+        y: torch.Tensor = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
             rows * (ACT_LEVELS / absmax), 1.0, ACT_ZERO_POINT, self.packed) * (absmax / ACT_LEVELS)
         if self.bias is not None:
             y = y + self.bias

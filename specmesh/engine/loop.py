@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from opentelemetry import trace
 
@@ -23,13 +23,15 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Completion", "EngineError", "EngineThread"]
 
+T = TypeVar("T")
 
-class Completion:
-    """The asyncio side of one work item, resolved from the engine thread."""
+
+class Completion(Generic[T]):
+    """The asyncio side of one work item, resolved from the engine thread with a T."""
 
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self.future: asyncio.Future[Any] = self._loop.create_future()
+        self.future: asyncio.Future[T] = self._loop.create_future()
         # The submitting caller's span (the RPC's server span): the engine's forward span links to it.
         self.span_context = trace.get_current_span().get_span_context()
         self.submitted_at = time.monotonic()      # the engine measures how long the work waited behind prefill
@@ -38,7 +40,7 @@ class Completion:
         if not self.future.done():
             fn()
 
-    def set_result(self, value: Any) -> None:
+    def set_result(self, value: T) -> None:
         self._loop.call_soon_threadsafe(self._set, lambda: self.future.set_result(value))
 
     def set_exception(self, exc: BaseException) -> None:

@@ -45,7 +45,7 @@ class ModelRunner:
         greedy speculation). own_forward: specmesh's Qwen2 forward where it applies (see qwen2_decoder), else
         transformers' (with the same paged attention)."""
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        self.model = model.eval()
+        self.model = model.train(False)                                  # eval mode
         self.batch_invariant = batch_invariant
         num_layers, num_kv_heads, head_dim = kv_cache_geometry(model)
         dtype = kv_dtype or next(model.parameters()).dtype
@@ -106,14 +106,16 @@ class ModelRunner:
                                           torch.tensor(keep, dtype=torch.long), self.interrupt)
             if self.interrupt is not None and self.interrupt():
                 raise ForwardInterrupted("interrupted before the LM head")
-            return self.model.lm_head(hidden).float()                        # [sum(num_logits), vocab]
+            logits: torch.Tensor = self.model.lm_head(hidden).float()        # [sum(num_logits), vocab]
+            return logits
         hidden = self.model.model(
             input_ids=torch.tensor([input_ids], dtype=torch.long),
             position_ids=torch.tensor([position_ids], dtype=torch.long),
             use_cache=False,
             paged_batch=batch,
         ).last_hidden_state                                                   # [1, T, hidden]
-        return self.model.lm_head(hidden[0, keep]).float()                   # [sum(num_logits), vocab]
+        logits = self.model.lm_head(hidden[0, keep]).float()                 # [sum(num_logits), vocab]
+        return logits
 
     @torch.inference_mode()
     def move_kv(self, src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -237,7 +238,7 @@ def paged_attention_forward(
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the `paged_batch` keyword argument")
     if kwargs.get("sliding_window"):
         raise NotImplementedError("sliding-window attention is not supported by the paged KV cache")
-    layer = module.layer_idx
+    layer = cast(int, module.layer_idx)     # transformers' attention modules carry their layer's index
     paged_batch.cache.write(layer, paged_batch.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
     return attend(paged_batch, layer, query[0].transpose(0, 1), scaling).unsqueeze(0), None    # [1, T, H, D]
 
@@ -303,14 +304,17 @@ def _batched(batch: PagedBatch, query: torch.Tensor, keys: torch.Tensor, values:
              scaling: float | None) -> torch.Tensor:
     """One SDPA call over the padded batch. query [H, T, D] -> [T, H, D]."""
     num_heads, _, head_dim = query.shape
-    num_seqs, max_q = batch.mask.shape[0], batch.mask.shape[2]
+    mask = batch.mask
+    if mask is None:
+        raise ValueError("a batched-mode PagedBatch has a mask")
+    num_seqs, max_q = mask.shape[0], mask.shape[2]
     if batch.uniform_query_len:
         q = query.view(num_heads, num_seqs, max_q, head_dim).transpose(0, 1)     # [B, H, q, D]
     else:
         q = query.new_zeros(num_seqs, num_heads, max_q, head_dim)
         for i, s in enumerate(batch.seqs):
             q[i, :, :s.query_len] = query[:, s.query_start:s.query_start + s.query_len]
-    out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=batch.mask,
+    out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
                                          scale=scaling, enable_gqa=num_heads != keys.shape[2])  # [B, H, q, D]
     out = out.transpose(1, 2)                                                    # [B, q, H, D]
     if batch.uniform_query_len:

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import Qwen2Config
 
 from specmesh.engine.cpu_build import load_optional
 from specmesh.engine.errors import ForwardInterrupted
@@ -37,6 +39,50 @@ from specmesh.engine.paged_attention import PagedBatch, attend
 SOURCE = Path(__file__).with_name("decoder_kernel.c")
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
+
+
+class _Norm(Protocol):
+    weight: torch.Tensor
+
+
+class _Attention(Protocol):
+    q_proj: nn.Module              # q/k/v_proj before fusion, qkv_proj after (fuse_projections)
+    k_proj: nn.Module
+    v_proj: nn.Module
+    qkv_proj: nn.Module
+    o_proj: nn.Module
+
+
+class _Mlp(Protocol):
+    gate_proj: nn.Module           # gate/up_proj before fusion, gate_up_proj after
+    up_proj: nn.Module
+    gate_up_proj: nn.Module
+    down_proj: nn.Module
+
+
+class _Layer(Protocol):
+    self_attn: _Attention
+    mlp: _Mlp
+    input_layernorm: _Norm
+    post_attention_layernorm: _Norm
+
+
+class _Qwen2Model(Protocol):
+    """What this forward reads of transformers' Qwen2Model (`model.model`; nn.Module attributes are untyped)."""
+
+    embed_tokens: nn.Module
+    layers: Sequence[_Layer]
+    norm: _Norm
+    rotary_emb: nn.Module
+
+
+def _inner(model: nn.Module) -> _Qwen2Model:
+    return cast(_Qwen2Model, model.model)
+
+
+def _config(model: nn.Module) -> Qwen2Config:
+    """The model's config, typed as a Qwen2Config (what it is when its model_type is "qwen2": `supports` checks)."""
+    return cast(Qwen2Config, model.config)
 
 
 @functools.cache
@@ -53,10 +99,11 @@ def _library() -> ctypes.CDLL | None:
 
 def supports(model: nn.Module) -> bool:
     """A float32 Qwen2 decoder with plain RoPE and SiLU, no sliding window, and the kernel built."""
-    cfg = model.config
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    return (getattr(cfg, "model_type", None) == "qwen2" and cfg.hidden_act == "silu"
-            and rope.get("rope_type", "default") == "default" and not getattr(cfg, "use_sliding_window", False)
+    cfg = _config(model)
+    if cfg.model_type != "qwen2":       # (then the config is a Qwen2Config)
+        return False
+    rope = cfg.rope_parameters or {}
+    return (cfg.hidden_act == "silu" and rope.get("rope_type", "default") == "default" and not cfg.use_sliding_window
             and next(model.parameters()).dtype == torch.float32 and _library() is not None)
 
 
@@ -76,19 +123,24 @@ def fuse_projections(model: nn.Module) -> bool:
     before quantization); returns whether the model now has them. transformers' forward cannot run it afterwards."""
     if not supports(model):
         return False
-    for layer in model.model.layers:
+    for layer in _inner(model).layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if not all(isinstance(getattr(attn, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj")):
+        # getattr: fused (or quantized) layers have no plain q/k/v_proj linears
+        q, k, v = (getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj"))
+        if not (isinstance(q, nn.Linear) and isinstance(k, nn.Linear) and isinstance(v, nn.Linear)):
             return False
-        attn.qkv_proj = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        mlp.gate_up_proj = _fuse([mlp.gate_proj, mlp.up_proj])
+        attn.qkv_proj = _fuse([q, k, v])
+        mlp.gate_up_proj = _fuse([cast(nn.Linear, mlp.gate_proj), cast(nn.Linear, mlp.up_proj)])   # plain too
         del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
     return True
 
 
 def is_fused(model: nn.Module) -> bool:
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    return bool(layers) and hasattr(layers[0].self_attn, "qkv_proj")
+    # getattr: any model is asked, not only a decoder with model.model.layers
+    layers: Sequence[_Layer] | None = getattr(getattr(model, "model", None), "layers", None)
+    if not layers:
+        return False
+    return hasattr(layers[0].self_attn, "qkv_proj")
 
 
 class RopeTable:
@@ -114,12 +166,16 @@ class Qwen2Decoder:
     """Runs `model.model` (a Qwen2Model whose attention reads the paged cache) over a flattened ragged batch."""
 
     def __init__(self, model: nn.Module) -> None:
-        cfg = model.config
-        self.inner = model.model
-        self.lib = _library()
+        cfg = _config(model)
+        self.inner = _inner(model)
+        lib = _library()
+        if lib is None:
+            raise RuntimeError("the decoder kernel is not built: check supports() first")
+        self.lib = lib
         self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.num_kv_heads: int = cfg.num_key_value_heads or self.num_heads
+        # getattr: head_dim is a key of some Qwen2 checkpoints' configs only (Qwen2Config does not declare it)
+        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.scaling = self.head_dim ** -0.5
         self.eps = cfg.rms_norm_eps
         self.rope = RopeTable(self.inner.rotary_emb, self.head_dim)
@@ -143,7 +199,7 @@ class Qwen2Decoder:
             x = self._add_norm(hidden, self._mlp(layer.mlp, x), after)
         return x.index_select(0, keep)
 
-    def _add_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module) -> torch.Tensor:
+    def _add_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, norm: _Norm) -> torch.Tensor:
         """hidden += delta (in place), then RMSNorm(hidden) * norm.weight as a new tensor."""
         out = torch.empty_like(hidden)
         if delta is not None:
@@ -152,7 +208,7 @@ class Qwen2Decoder:
                                  norm.weight.data_ptr(), hidden.shape[0], hidden.shape[1], self.eps, out.data_ptr())
         return out
 
-    def _attention(self, index: int, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _attention(self, index: int, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    batch: PagedBatch) -> torch.Tensor:
         attn = layer.self_attn
         qkv = attn.qkv_proj(x) if self.fused else torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], -1)
@@ -164,11 +220,13 @@ class Qwen2Decoder:
                                cos.data_ptr(), sin.data_ptr(), batch.slot_mapping.data_ptr(), k_cache.data_ptr(),
                                v_cache.data_ptr(), query.data_ptr())
         out = attend(batch, index, query, self.scaling)                             # [T, H, D]
-        return attn.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
+        projected: torch.Tensor = attn.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
+        return projected
 
-    def _mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, mlp: _Mlp, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = mlp.gate_proj(x), mlp.up_proj(x)
-        return mlp.down_proj(F.silu(gate) * up)
+        down: torch.Tensor = mlp.down_proj(F.silu(gate) * up)
+        return down

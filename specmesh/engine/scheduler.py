@@ -36,7 +36,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Generic, TypeVar
 
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.errors import EngineError
@@ -57,16 +57,20 @@ class SeqState:
 
 @dataclass
 class ForwardRequest:
+    """An engine's requests subclass it with what they carry (the caller's completion, sampling state, ...)."""
+
     seq: SeqState
     extra_ids: list[int]          # tokens after token_ids to run in the same forward (not part of the context)
     num_logits: int               # logits wanted for the last num_logits tokens; len(extra_ids) < num_logits
-    payload: Any = None           # engine-specific (the caller's completion, sampling state, ...)
     deadline: float | None = None # time.monotonic() after which the caller no longer waits
 
 
+R = TypeVar("R", bound=ForwardRequest)     # an engine's request type
+
+
 @dataclass(frozen=True)
-class ScheduledItem:
-    request: ForwardRequest
+class ScheduledItem(Generic[R]):
+    request: R
     start_pos: int                # first position run
     token_ids: list[int]          # tokens run this step
     is_final: bool                # logits are produced (otherwise a prefill chunk of context tokens only)
@@ -83,7 +87,7 @@ class StepStats:
     in_arrival_order: bool = False  # oldest first: the oldest prefill found no KV room last step, or one slot
 
 
-Failure = tuple[ForwardRequest, EngineError]
+Failure = tuple[R, EngineError]
 
 
 class _Blocked(Exception):
@@ -91,21 +95,21 @@ class _Blocked(Exception):
 
 
 @dataclass
-class _Plan:
+class _Plan(Generic[R]):
     """One step being filled: the batch, the tokens still free, and how far in the queue it may go."""
-    queue: list[ForwardRequest]
+    queue: list[R]
     tokens_left: int
-    batch: list[ScheduledItem] = field(default_factory=list)
+    batch: list[ScheduledItem[R]] = field(default_factory=list)
     done: set[int] = field(default_factory=set)          # id() of requests scheduled or failed this step
     stop: int | None = None                              # queue index of a request blocked for KV room
-    failed: list[Failure] = field(default_factory=list)
+    failed: list[Failure[R]] = field(default_factory=list)
 
-    def add(self, item: ScheduledItem) -> None:
+    def add(self, item: ScheduledItem[R]) -> None:
         self.batch.append(item)
         self.tokens_left -= len(item.token_ids)
         self.done.add(id(item.request))
 
-    def open(self, req: ForwardRequest) -> bool:
+    def open(self, req: R) -> bool:
         """Not yet scheduled or failed this step, and not behind a blocked request."""
         return id(req) not in self.done and (self.stop is None or self.queue.index(req) < self.stop)
 
@@ -114,18 +118,18 @@ class _Plan:
 
 
 @dataclass
-class Scheduler:
+class Scheduler(Generic[R]):
     block_manager: BlockManager
     max_num_batched_tokens: int
     max_num_seqs: int
     step_budget: StepBudget = field(default_factory=StepBudget)
     num_preemptions: int = 0
     last_step: StepStats = field(default_factory=StepStats, init=False)
-    _waiting: list[ForwardRequest] = field(default_factory=list, init=False, repr=False)
+    _waiting: list[R] = field(default_factory=list, init=False, repr=False)
     _oldest_blocked: bool = field(default=False, init=False, repr=False)   # serve the next step in arrival order
 
     # ---- the queue ----------------------------------------------------------------------------------------------
-    def enqueue(self, request: ForwardRequest) -> None:
+    def enqueue(self, request: R) -> None:
         """Queue `request`; EngineError INVALID_ARGUMENT when its logits tokens can never fit one forward."""
         num_logits = request.num_logits
         if not len(request.extra_ids) < num_logits:
@@ -143,7 +147,7 @@ class Scheduler:
                               f"token and {num_logits - 1} drafts), more than max_num_batched_tokens="
                               f"{self.max_num_batched_tokens}: send at most {self.max_num_batched_tokens - 1} drafts")
 
-    def remove(self, request: ForwardRequest) -> bool:
+    def remove(self, request: R) -> bool:
         """Take `request` out of the queue (False if it was not queued)."""
         for i, queued in enumerate(self._waiting):
             if queued is request:
@@ -151,19 +155,19 @@ class Scheduler:
                 return True
         return False
 
-    def cancel(self, seq: SeqState) -> list[ForwardRequest]:
+    def cancel(self, seq: SeqState) -> list[R]:
         """Take every queued request of `seq` out of the queue and return them (the caller answers them)."""
         removed = [r for r in self._waiting if r.seq is seq]
         self._waiting = [r for r in self._waiting if r.seq is not seq]
         return removed
 
-    def release(self, seq: SeqState) -> list[ForwardRequest]:
+    def release(self, seq: SeqState) -> list[R]:
         """The sequence is done: cancel its queued requests (returned) and free its blocks."""
         removed = self.cancel(seq)
         self.reset(seq)
         return removed
 
-    def clear(self) -> list[ForwardRequest]:
+    def clear(self) -> list[R]:
         """Empty the queue; returns what was in it."""
         removed, self._waiting = self._waiting, []
         return removed
@@ -173,24 +177,24 @@ class Scheduler:
         return len(self._waiting)
 
     @property
-    def waiting(self) -> tuple[ForwardRequest, ...]:
+    def waiting(self) -> tuple[R, ...]:
         """A read-only snapshot of the queue, in order."""
         return tuple(self._waiting)
 
     def __len__(self) -> int:
         return len(self._waiting)
 
-    def __iter__(self) -> Iterator[ForwardRequest]:
+    def __iter__(self) -> Iterator[R]:
         return iter(tuple(self._waiting))
 
     # ---- one step -----------------------------------------------------------------------------------------------
-    def is_decode(self, req: ForwardRequest) -> bool:
+    def is_decode(self, req: R) -> bool:
         """Work of a sequence that is already decoding: its uncomputed context (the pending token, or what a
         preemption left beyond the prefix cache) is at most one block, so it runs whole in one forward."""
         seq = req.seq
         return seq.allocated and len(seq.token_ids) - seq.num_computed <= self.block_manager.block_size
 
-    def schedule(self, idle_seqs: Callable[[], Iterable[SeqState]]) -> tuple[list[ScheduledItem], list[Failure]]:
+    def schedule(self, idle_seqs: Callable[[], Iterable[SeqState]]) -> tuple[list[ScheduledItem[R]], list[Failure[R]]]:
         """Returns (items for this forward, requests that must fail: expired, larger than the whole pool, faulty).
 
         Failed requests are already out of the queue."""
@@ -218,7 +222,7 @@ class Scheduler:
                                    plan.stop is not None, in_order)
         return plan.batch, plan.failed
 
-    def _fill_decodes(self, plan: _Plan, decodes: list[ForwardRequest], prefills: list[ForwardRequest],
+    def _fill_decodes(self, plan: _Plan[R], decodes: list[R], prefills: list[R],
                       idle_seqs: Callable[[], Iterable[SeqState]]) -> None:
         """Decodes first, in arrival order; while prefill waits they leave it a slot and min_prefill_tokens (at most
         half the token budget; the oldest request of all, if a decode, takes what it needs)."""
@@ -231,7 +235,7 @@ class Scheduler:
             if room > 0 and req.seq.allocated and not self._place(plan, req, room, idle_seqs):
                 return
 
-    def _fill(self, plan: _Plan, requests: list[ForwardRequest], bound: float | None,
+    def _fill(self, plan: _Plan[R], requests: list[R], bound: float | None,
               idle_seqs: Callable[[], Iterable[SeqState]]) -> None:
         """Requests in order, each within the tokens left and the step's time bound."""
         for req in requests:
@@ -244,7 +248,7 @@ class Scheduler:
             if room > 0 and not self._place(plan, req, room, idle_seqs):
                 return
 
-    def _place(self, plan: _Plan, req: ForwardRequest, room: int,
+    def _place(self, plan: _Plan[R], req: R, room: int,
                idle_seqs: Callable[[], Iterable[SeqState]]) -> bool:
         """Schedule what of `req` fits `room` tokens; False when it is blocked for KV room (the step stops)."""
         try:
@@ -267,7 +271,7 @@ class Scheduler:
         queued = {r.seq.seq_id for r in self._waiting}
         return any(s.allocated and s.seq_id not in queued for s in idle_seqs())
 
-    def _prepare(self, req: ForwardRequest) -> None:
+    def _prepare(self, req: R) -> None:
         """Allocate the sequence (prefix cache) and check its KV and its tokens."""
         seq = req.seq
         if not seq.allocated:
@@ -280,8 +284,8 @@ class Scheduler:
             raise EngineError("INTERNAL", f"seq {seq.seq_id} has {num_pending} tokens to run, fewer than the "
                               f"{req.num_logits} that need logits")
 
-    def _schedule_one(self, req: ForwardRequest, budget: int, batch: list[ScheduledItem],
-                      idle_seqs: Callable[[], Iterable[SeqState]]) -> ScheduledItem | None:
+    def _schedule_one(self, req: R, budget: int, batch: list[ScheduledItem[R]],
+                      idle_seqs: Callable[[], Iterable[SeqState]]) -> ScheduledItem[R] | None:
         """The item `req` runs this step, None to skip it this step (its logits tokens need more room than is left);
         raises _Blocked when there is no KV room for it."""
         if not req.seq.allocated:        # a preemption earlier in this step freed its KV: recompute
@@ -312,7 +316,7 @@ class Scheduler:
             raise EngineError("INTERNAL", f"seq {seq.seq_id} claims {seq.num_computed} computed tokens, "
                               f"KV holds {held}")
 
-    def _fault(self, req: ForwardRequest, exc: Exception) -> EngineError:
+    def _fault(self, req: R, exc: Exception) -> EngineError:
         self.remove(req)
         self.reset(req.seq)
         if isinstance(exc, EngineError) and exc.code != "INTERNAL":
@@ -320,14 +324,14 @@ class Scheduler:
         log.error("scheduling seq %d failed", req.seq.seq_id, exc_info=exc)
         return exc if isinstance(exc, EngineError) else EngineError("INTERNAL", f"scheduling failed: {exc!r}")
 
-    def _drop_expired(self) -> list[Failure]:
+    def _drop_expired(self) -> list[Failure[R]]:
         now = time.monotonic()
         expired = [r for r in self._waiting if r.deadline is not None and now > r.deadline]
         for req in expired:
             self.remove(req)
         return [(r, EngineError("DEADLINE_EXCEEDED", "the request's deadline passed while it waited")) for r in expired]
 
-    def _reserve(self, req: ForwardRequest, num_tokens: int, batch: list[ScheduledItem],
+    def _reserve(self, req: R, num_tokens: int, batch: list[ScheduledItem[R]],
                  idle_seqs: Callable[[], Iterable[SeqState]]) -> bool:
         bm = self.block_manager
         seq_id = req.seq.seq_id
@@ -342,7 +346,7 @@ class Scheduler:
                 return True
         return False
 
-    def _victims(self, req: ForwardRequest, batch: list[ScheduledItem],
+    def _victims(self, req: R, batch: list[ScheduledItem[R]],
                  idle_seqs: Callable[[], Iterable[SeqState]]) -> list[SeqState]:
         """Idle sequences, then the sequences of requests queued after `req`, newest first."""
         protected = {item.request.seq.seq_id for item in batch} | {req.seq.seq_id}
@@ -352,7 +356,7 @@ class Scheduler:
         victims += [r.seq for r in reversed(newer)]
         return [s for s in victims if s.allocated and s.seq_id not in protected]
 
-    def _holds_only_itself(self, req: ForwardRequest) -> bool:
+    def _holds_only_itself(self, req: R) -> bool:
         """True when nothing else holds blocks, so waiting cannot help: the request is larger than the pool."""
         return self.block_manager.num_used_blocks == len(self.block_manager.block_table(req.seq.seq_id))
 

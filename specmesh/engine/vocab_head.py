@@ -30,7 +30,7 @@ class SubsetHead(nn.Module):
                 self.head.bias.copy_(head.bias[keep_ids])
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        kept = self.head(hidden)                                                   # [..., num_kept]
+        kept: torch.Tensor = self.head(hidden)                                                   # [..., num_kept]
         logits = kept.new_full((*kept.shape[:-1], self.vocab_size), float("-inf"))  # [..., vocab]
         logits[..., self.keep_ids] = kept
         return logits

@@ -128,7 +128,9 @@ def _load_weights(path: Path, dtype: torch.dtype, attn_implementation: str | Non
         if missing:
             raise ImportError(f"loading a .gguf file needs: pip install {' '.join(missing)}")
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
-        model.hf_quantizer = None  # weights are dequantized floats now; lets callers save_pretrained
+        # weights are dequantized floats now; lets callers save_pretrained. (transformers reads the attribute but does
+        # not declare it: nn.Module types unknown attributes as Tensor | Module)
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         return model

@@ -274,7 +274,7 @@ def convert_gguf_to_hf(gguf_file: Path, out_dir: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained until the quantizer bookkeeping is dropped.
-    model.hf_quantizer = None
+    model.hf_quantizer = None   # type: ignore[assignment]  # undeclared on PreTrainedModel (nn.Module: Tensor | Module)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     eos_ids = qwen_eos_token_ids(tokenizer)

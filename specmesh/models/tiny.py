@@ -18,6 +18,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import filelock
 import torch
@@ -138,7 +139,7 @@ def train_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
 
 
 def tiny_config(tokenizer: PreTrainedTokenizerFast, num_layers: int) -> Qwen2Config:
-    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    eos_id = cast(int, tokenizer.convert_tokens_to_ids(EOS_TOKEN))      # one token in, one id out
     return Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=64,

@@ -214,7 +214,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     try:
         if args.jaeger:
             trace_id = args.trace_id or trace_store.jaeger_last_trace_id(args.jaeger, args.service)
-            own, linked = trace_store.fetch_jaeger(args.jaeger, trace_id), []
+            own, linked = trace_store.fetch_jaeger(args.jaeger, trace_id), list[trace_store.Span]()
         else:
             spans = trace_store.load_file(args.file)
             trace_id = args.trace_id or trace_store.last_trace_id(spans)

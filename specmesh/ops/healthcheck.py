@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         status = check(args.addr, args.service, args.timeout, args.ca, args.cert, args.key, args.server_name)
     except grpc.RpcError as exc:
-        print(f"{args.addr}: {exc.code().name} {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        print(f"{args.addr}: {exc.code().name} {exc.details()}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"{args.addr}: {exc}", file=sys.stderr)

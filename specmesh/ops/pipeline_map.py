@@ -93,7 +93,7 @@ def _check(pf: PipelineFile, block: Block, schema: dict[str, Callable[[Any], str
 
 
 def _engine(block: Block, base: Any) -> Any:
-    changes = {MODEL_KEYS[e.key][0]: e.value for e in block.entries if MODEL_KEYS[e.key][0]}
+    changes: dict[str, Any] = {field: e.value for e in block.entries if (field := MODEL_KEYS[e.key][0])}
     engine = dataclasses.replace(base.engine, model=block.name, **changes)
     return dataclasses.replace(base, engine=engine)
 
@@ -133,7 +133,7 @@ def _blocks(pf: PipelineFile) -> tuple[dict[str, Block], Block, list[Block]]:
 def _run(pf: PipelineFile, pipeline: Block, run: Block) -> RunParams:
     if run.get("prompt") is None:
         raise pf.error('run(...) needs prompt="..."', run.pos)
-    values = {e.key: e.value for e in pipeline.entries if e.key in SAMPLING_KEYS}
+    values: dict[str, Any] = {e.key: e.value for e in pipeline.entries if e.key in SAMPLING_KEYS}
     values.update({e.key: e.value for e in run.entries})
     return RunParams(**values)
 

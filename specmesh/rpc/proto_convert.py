@@ -19,7 +19,8 @@ MAX_LOGIT_BIAS = 1024
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     """Validates and converts; errors are INVALID_ARGUMENT naming the field. A field this build does not know (a
     newer peer's sampling option) is refused too: ignoring it would sample from another distribution."""
-    unknown = [field.field_number for field in unknown_fields.UnknownFieldSet(msg)]
+    fields = unknown_fields.UnknownFieldSet(msg)
+    unknown = [fields[i].field_number for i in range(len(fields))]
     if unknown:
         raise EngineError("INVALID_ARGUMENT", f"sampling has field number {unknown[0]}, which this server does not "
                           "know (a newer specmesh.v1?); it would be ignored")

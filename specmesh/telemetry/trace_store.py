@@ -53,7 +53,7 @@ def _get_json(url: str, timeout_s: float = 10.0) -> Any:
         return json.load(reply)
 
 
-def _tags(items: list[dict[str, Any]]) -> dict[str, Any]:
+def _tags(items: list[dict[str, Any]] | None) -> dict[str, Any]:
     return {t["key"]: t.get("value") for t in items or []}
 
 
@@ -72,7 +72,7 @@ def from_jaeger_span(span: dict[str, Any], processes: dict[str, Any]) -> Span:
             "kind": str(tags.get("span.kind", "internal")).upper(), "start_ns": start_ns,
             "end_ns": start_ns + int(span["duration"]) * 1000, "attributes": tags, "links": links,
             "status": {"code": "ERROR" if error else "UNSET", "description": tags.get("otel.status_description", "")},
-            "events": [], "service.name": processes.get(span.get("processID"), {}).get("serviceName", "")}
+            "events": [], "service.name": processes.get(span.get("processID", ""), {}).get("serviceName", "")}
 
 
 def fetch_jaeger(base_url: str, trace_id: str) -> list[Span]:
