@@ -49,7 +49,7 @@ class RequestState:
     ignore_eos: bool = False
     output_ids: list[int] = field(default_factory=list)     # every verified token, not cut at eos / stop strings
     num_emitted: int = 0                                    # tokens the client receives (cut at eos / max / stop)
-    finish_reason: int = UNFINISHED                         # common_pb2.FinishReason
+    finish_reason: common_pb2.FinishReason = UNFINISHED
     num_rounds: int = 0
     num_drafted: int = 0
     num_accepted: int = 0

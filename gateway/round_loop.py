@@ -38,7 +38,7 @@ class RoundOutput:
     token_ids: list[int]       # newly verified tokens the client receives (cut at eos / max tokens)
     num_drafted: int
     num_accepted: int
-    draft_source: int
+    draft_source: int                             # common_pb2.DraftSource
 
 
 async def _session_alive(call: Awaitable[verifier_pb2.VerifyResponse]) -> verifier_pb2.VerifyResponse:

@@ -172,7 +172,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     @staticmethod
     def _round_stats(out: RoundOutput) -> generate_pb2.RoundStats:
         return generate_pb2.RoundStats(round=out.round, num_drafted=out.num_drafted, num_accepted=out.num_accepted,
-                                       draft_source=out.draft_source)
+                                       draft_source=common_pb2.DraftSource.Name(out.draft_source))
 
     @staticmethod
     def _usage(state: RequestState) -> generate_pb2.Usage:

@@ -31,7 +31,7 @@ acceptance differs most between requests (chat ~0.4, code ~0.9), and estimates a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from gateway.adaptive import ControllerMemory, DraftLengthController, expected_tokens
 from gateway.suffix_tree import Proposal
@@ -86,7 +86,7 @@ class ChoiceMemory:
             self.model.scaled(factor) if self.model else None, self.free_tokens)
 
     def plus(self, newer: ChoiceMemory) -> ChoiceMemory:
-        def merge(a: dict[str, tuple], b: dict[str, tuple]) -> dict[str, tuple]:
+        def merge(a: dict[str, tuple[Any, ...]], b: dict[str, tuple[Any, ...]]) -> dict[str, tuple[Any, ...]]:  # sums
             out = dict(a)
             for key, value in b.items():
                 out[key] = value if key not in out else tuple(_add(x, y) for x, y in zip(out[key], value,

@@ -36,7 +36,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.errors import EngineError
@@ -378,13 +378,13 @@ class Scheduler(Generic[R]):
         self.block_manager.mark_verified(seq.seq_id, seq.token_ids[: min(seq.num_verified, seq.num_computed)])
 
 
-def num_context_tokens(item: ScheduledItem) -> int:
+def num_context_tokens(item: ScheduledItem[Any]) -> int:
     """Tokens of the item that are already in its sequence (more than 1: it computes a prompt's or context's KV;
     the rest of the item, if any, are drafts)."""
     return min(len(item.token_ids), len(item.request.seq.token_ids) - item.start_pos)
 
 
-def batch_composition(batch: Sequence[ScheduledItem]) -> tuple[int, int, int]:
+def batch_composition(batch: Sequence[ScheduledItem[Any]]) -> tuple[int, int, int]:
     """(sequences, decode tokens, prefill tokens) of a forward: decode tokens are work of sequences already decoding,
     prefill tokens prompt or recomputed context chunks. Plain counts for the forward's span and metrics
     (specmesh/telemetry/engine_step.py)."""
