@@ -332,6 +332,13 @@ class DraftLengthController:
         self._tree_rounds_off += 1
         return max_width if self._tree_rounds_off % self.params.probe_every == 0 else 0
 
+    def observe_verify(self, num_verified: int, verify_s: float, forward_ran: bool = True) -> None:
+        """A round another proposer drafted (the cache, n-gram lookup): its verify of `num_verified` drafts prices
+        verify(k) like any other, but its acceptance is that proposer's, not the draft model's whose k this chooses
+        (fed in, wrong n-gram drafts pulled the model's estimated acceptance, and so its k, down)."""
+        if forward_ran:
+            self._verify.add(num_verified, max(0.0, verify_s))
+
     def observe_tree(self, num_alternative_nodes: int, alternative_hit: bool) -> None:
         """A verified tree: how many alternative nodes it had and whether the accepted path took one."""
         d = self.params.decay

@@ -140,6 +140,23 @@ def test_the_cost_model_learns_as_the_draft_length_controller_did() -> None:
     assert model.memory().length == reference.memory()
 
 
+def test_a_local_tier_round_prices_verify_but_not_the_models_acceptance() -> None:
+    """Acceptance is per proposer: n-gram drafts rejected at once leave the draft model's acceptance (and so its k)
+    as the model's own rounds made it, while their verify times still price verify(k)."""
+    model, only_model = (RoundCostModel(DraftLengthController(max_k=4, initial_k=4)) for _ in range(2))
+    cost = VerifyCost(0.2, 1, 5, 0, 0)
+    for i in range(40):
+        rounds = [RoundObservation(MODEL, 4, 4, 0.01, 0.1, cost)]
+        if i % 2:
+            rounds.append(RoundObservation(common_pb2.DRAFT_SOURCE_NGRAM, 4, 0, 0.0, 0.5, cost))
+        for r in rounds:
+            model.observe(r)
+        only_model.observe(rounds[0])
+    assert model.length is not None and only_model.length is not None
+    assert model.length.acceptance() == only_model.length.acceptance()
+    assert model.length.verify_cost(4) > only_model.length.verify_cost(4)    # the n-gram rounds' slower verifies
+
+
 def test_a_generation_feeds_its_cost_model_once_per_round() -> None:
     class Spy(RoundCostModel):
         def __init__(self) -> None:

@@ -134,9 +134,13 @@ class RoundCostModel:
     def observe(self, round: RoundObservation) -> None:
         """The one call per verified round."""
         if self.length is not None:
+            forward_ran = round.cost.forward_rows > 0       # (no forward: not a verify time)
             self.length.observe_verify_cost(round.cost)   # first: the round's verify time is priced with it
-            self.length.observe(round.num_drafted, round.num_accepted, round.draft_s, round.verify_s, round.rtt_s,
-                                forward_ran=round.cost.forward_rows > 0)   # (no forward: not a verify time)
+            if round.source in LOCAL_TIERS:               # acceptance per proposer: not the draft model's
+                self.length.observe_verify(round.num_drafted, round.verify_s, forward_ran)
+            else:
+                self.length.observe(round.num_drafted, round.num_accepted, round.draft_s, round.verify_s,
+                                    round.rtt_s, forward_ran=forward_ran)
             if round.num_alternatives is not None:
                 self.length.observe_tree(round.num_alternatives, round.alternative_hit)
         if self.local_caps is not None:
