@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from gateway.proposers.draft_model import ModelDrafter
+from gateway.proposers.policy import ProposerPolicy
 from protos.specmesh.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ def model_drafter_of(drafter: object) -> ModelDrafter | None:
     """The draft-service half of a request's drafter (itself, or the model tier behind the cache / n-gram)."""
     if isinstance(drafter, ModelDrafter):
         return drafter
-    model = getattr(drafter, "model", None)
+    model = drafter.model if isinstance(drafter, ProposerPolicy) else None
     return model if isinstance(model, ModelDrafter) else None
 
 
