@@ -148,8 +148,9 @@ class DraftEngine(BatchedEngine[DraftRequest]):
 
     def __init__(self, runner: ModelRunner, block_manager: BlockManager, max_model_len: int,
                  max_num_batched_tokens: int, max_num_seqs: int, max_queue_len: int, num_threads: int,
-                 draft_ahead: bool = True, guesses: bool = False) -> None:
-        super().__init__("draft-engine", runner, block_manager, max_num_batched_tokens, max_num_seqs, num_threads)
+                 draft_ahead: bool = True, guesses: bool = False, max_catch_up_tokens: int = 0) -> None:
+        super().__init__("draft-engine", runner, block_manager, max_num_batched_tokens, max_num_seqs, num_threads,
+                         max_decode_tokens=max_catch_up_tokens)
         self.draft_ahead = draft_ahead
         self.guesses = guesses         # greedy draft forwards carry prompt-lookup guesses (specmesh/engine/guesses.py)
         self.num_guessed = 0           # guesses run in draft forwards

@@ -21,7 +21,7 @@ def build_draft(config: DraftConfig) -> tuple[ServiceServer, DraftEngine]:
     engine = DraftEngine(parts.runner, parts.block_manager, parts.max_model_len,
                          config.engine.max_num_batched_tokens, config.engine.max_num_seqs,
                          config.engine.max_queue_len, config.engine.num_threads, config.draft_ahead,
-                         config.guesses)
+                         config.guesses, config.max_catch_up_tokens)
     engine.set_step_budget(config.engine.step_cost_factor, config.engine.min_prefill_tokens)
     leases = SessionLeases(config.session_lease_s)
     servicer = DraftServicer(engine, parts.loaded.model.config.vocab_size, config.max_draft_tokens,

@@ -249,3 +249,31 @@ def test_the_default_budget_keeps_a_stream_within_3x_its_median_gap_on_a_simulat
     assert shared.ttft_s <= 2 * alone
     tokens_only = simulate(model, 0, defaults.min_prefill_tokens, 4000, 0.02)
     assert tokens_only.longest_gap_s > 100 * tokens_only.median_gap_s
+
+
+@pytest.mark.parametrize("max_decode_tokens, expect_decode", [(0, False), (32, True)])
+def test_a_running_sessions_catch_up_goes_before_an_older_prompt(max_decode_tokens: int, expect_decode: bool) -> None:
+    """The draft service's case: a running session's Propose brings 20 tokens verified since its last one (rounds
+    the gateway drafted elsewhere) while an older 200-token prompt prefills. With one block as the decode bound it is
+    prefill and waits behind the whole prompt (the 25 s stall seen on the real pair); with max_decode_tokens 32 it
+    runs in the next step, whole."""
+    scheduler = make(budget=32, step_budget=StepBudget(linear_cost, factor=2.0, min_prefill_tokens=4))
+    scheduler.max_decode_tokens = max_decode_tokens
+    stream = decoding(scheduler, 0)
+    prompt = new_seq(1, 200, first=1000)
+    scheduler.enqueue(verify_request(prompt, 0))
+    stream.token_ids += list(range(500, 520))                   # 20 tokens verified elsewhere, then a Propose
+    stream.num_verified = len(stream.token_ids)
+    scheduler.enqueue(verify_request(stream, 0))
+    steps = 0
+    while True:
+        batch, _ = scheduler.schedule(no_idle)
+        steps += 1
+        by_seq = {i.request.seq.seq_id: i for i in batch}
+        run_forward(scheduler, batch)
+        if 0 in by_seq and by_seq[0].is_final:
+            break
+    assert (steps == 1) == expect_decode
+    assert by_seq[0].is_decode == expect_decode
+    if not expect_decode:
+        assert prompt.num_computed == 200                       # it waited out the prompt's whole prefill

@@ -45,14 +45,14 @@ class BatchedEngine(EngineThread, Generic[R]):
     trace_steps = True           # a span per forward (metrics are always kept)
 
     def __init__(self, name: str, runner: ModelRunner, block_manager: BlockManager, max_num_batched_tokens: int,
-                 max_num_seqs: int, num_threads: int) -> None:
+                 max_num_seqs: int, num_threads: int, max_decode_tokens: int = 0) -> None:
         super().__init__(name, num_threads)
         self.runner = runner
         self.block_manager = block_manager
         # seconds of a step by its size (every forward), which sizes the steps that carry prefill (step_budget.py)
         self.step_cost = StepCost()
         self.scheduler: Scheduler[R] = Scheduler(block_manager, max_num_batched_tokens, max_num_seqs,
-                                                 StepBudget(self.step_seconds))
+                                                 StepBudget(self.step_seconds), max_decode_tokens)
         self.prefill_clock = PrefillClock()       # when forwards carrying prefill ran (waits behind prefill)
         self.num_steps = 0
         self.num_threads = num_threads

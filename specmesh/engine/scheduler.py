@@ -123,6 +123,10 @@ class Scheduler(Generic[R]):
     max_num_batched_tokens: int
     max_num_seqs: int
     step_budget: StepBudget = field(default_factory=StepBudget)
+    # A decode's uncomputed context may be up to this many tokens (0: one KV block). The draft service raises it: a
+    # running session's Propose brings every token verified since its last one (rounds the gateway drafted from
+    # elsewhere), and behind a long prompt's chunks that catch-up would wait out the whole prefill.
+    max_decode_tokens: int = 0
     num_preemptions: int = 0
     last_step: StepStats = field(default_factory=StepStats, init=False)
     _waiting: list[R] = field(default_factory=list, init=False, repr=False)
@@ -189,10 +193,12 @@ class Scheduler(Generic[R]):
 
     # ---- one step -----------------------------------------------------------------------------------------------
     def is_decode(self, req: R) -> bool:
-        """Work of a sequence that is already decoding: its uncomputed context (the pending token, or what a
-        preemption left beyond the prefix cache) is at most one block, so it runs whole in one forward."""
+        """Work of a sequence that is already decoding: its uncomputed context (the pending token, tokens verified
+        since the last call, or what a preemption left beyond the prefix cache) is at most one block
+        (`max_decode_tokens` where set), so it runs whole in one forward."""
         seq = req.seq
-        return seq.allocated and len(seq.token_ids) - seq.num_computed <= self.block_manager.block_size
+        limit = self.max_decode_tokens or self.block_manager.block_size
+        return seq.allocated and len(seq.token_ids) - seq.num_computed <= limit
 
     def schedule(self, idle_seqs: Callable[[], Iterable[SeqState]]) -> tuple[list[ScheduledItem[R]], list[Failure[R]]]:
         """Returns (items for this forward, requests that must fail: expired, larger than the whole pool, faulty).
