@@ -10,7 +10,8 @@ from dataclasses import dataclass
 # Every gateway starts from BASE_ENV (draft model only, fixed k, prefetch on); an arm with its own settings gets its
 # own gateway on the same verifier and draft service.
 BASE_ENV = {"SPECMESH_GATEWAY_ENABLE_NGRAM": "0", "SPECMESH_GATEWAY_ENABLE_CACHE": "0",
-            "SPECMESH_GATEWAY_ADAPTIVE_DRAFT_LENGTH": "0", "SPECMESH_GATEWAY_DRAFT_PREFETCH": "1"}
+            "SPECMESH_GATEWAY_ADAPTIVE_DRAFT_LENGTH": "0", "SPECMESH_GATEWAY_DRAFT_PREFETCH": "1",
+            "SPECMESH_GATEWAY_SUFFIX_DRAFTING": "0"}
 SEQUENTIAL = {"SPECMESH_GATEWAY_DRAFT_PREFETCH": "0"}
 OVERLAP = {"SPECMESH_GATEWAY_OVERLAP": "1"}
 TREE = {"SPECMESH_GATEWAY_DRAFT_TREE_WIDTH": "2"}

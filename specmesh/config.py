@@ -170,7 +170,8 @@ class GatewayConfig:
                                            # "round_robin" (gateway/placement.py)
     tokenizer: str = ""                    # model reference for the tokenizer; "" = the verifier's model
     num_draft_tokens: int = 4              # default draft length per round
-    adaptive_draft_length: bool = True     # pick k per round from acceptance and measured costs (<= the request's)
+    adaptive_draft_length: bool = False    # tiers: pick k per round from acceptance and measured costs (<= the
+                                           # request's); suffix drafting chooses per round on its own
     learned_priors: bool = True            # new requests start from what ended ones measured (learned_priors.py)
     draft_prefetch: bool = True            # ask for the next block while the verifier works (hides the draft RTT)
     max_draft_tokens: int = 16             # largest per-request draft length accepted
@@ -195,8 +196,9 @@ class GatewayConfig:
     enable_ngram: bool = True              # prompt-lookup drafts from the request's own context
     ngram_sizes: str = "4,3"
     local_draft_tokens: int = 16           # longest cache / n-gram draft per round
-    suffix_drafting: bool = False          # one suffix-tree proposer (gateway/proposers/suffix.py) replaces the
-                                           # cache + n-gram tiers; its shared store uses the cache settings above
+    suffix_drafting: bool = True           # one suffix-tree proposer (gateway/proposers/suffix.py) replaces the
+                                           # cache + n-gram tiers and picks each round's proposer, target-only
+                                           # included, by expected tokens per second (the held-out set's best)
     draft_tree_width: int = 0              # alternatives per low-confidence draft position (token trees); 0 = chains
     overlap: bool = False                  # overlapped speculation (draft ahead of verdicts); off until measured
     limits: InputLimits = InputLimits()    # caps on every input (README "Input limits")

@@ -53,7 +53,8 @@ async def test_gateway_follows_dns_a_replica_appears_and_one_disappears() -> Non
         return list(records)
 
     config = GatewayConfig(port=0, verifier_addr="dns:///verifiers.test:50061", draft_addr="", enable_cache=False,
-                           enable_ngram=False, adaptive_draft_length=False, discovery_interval_s=0.05)
+                           enable_ngram=False, suffix_drafting=False, adaptive_draft_length=False,
+                           discovery_interval_s=0.05)
     gateway = await build_gateway_parts(config, wait_for_verifier_s=30, resolver=resolver)
     port = await gateway.server.start("127.0.0.1", 0)
     pool = gateway.verifiers

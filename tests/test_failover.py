@@ -44,7 +44,7 @@ async def start(num_replicas: int = 2) -> tuple[list[subprocess.Popen[bytes]], l
     procs = list(await asyncio.gather(*(spawn("verifier_service", "VERIFIER", p, "tiny-target") for p in ports)))
     addrs = [f"127.0.0.1:{p}" for p in ports]
     config = GatewayConfig(port=0, verifier_addr=",".join(addrs), draft_addr="", enable_cache=False,
-                           enable_ngram=False, adaptive_draft_length=False)
+                           enable_ngram=False, suffix_drafting=False, adaptive_draft_length=False)
     gateway = await build_gateway_parts(config, wait_for_verifier_s=30)
     await gateway.server.start("127.0.0.1", 0)
     return procs, addrs, gateway

@@ -97,7 +97,7 @@ CASES = [
 async def edge():
     verifier = await start_verifier()
     config = GatewayConfig(port=0, verifier_addr=verifier.addr, draft_addr="", enable_cache=False,
-                           enable_ngram=False, adaptive_draft_length=False)
+                           enable_ngram=False, suffix_drafting=False, adaptive_draft_length=False)
     gateway = await build_gateway_parts(config, wait_for_verifier_s=30)
     port = await gateway.server.start("127.0.0.1", 0)
     http = await start_openai_http(ServedModel("tiny-target", 2048, 0), "127.0.0.1", 0, lambda: f"127.0.0.1:{port}",
@@ -238,7 +238,7 @@ async def test_the_http_api_reaches_a_gateway_port_that_takes_only_end_user_cert
     tls = TlsConfig(tls_cert=str(certs / "gateway.pem"), tls_key=str(certs / "gateway.key"),
                     tls_client_ca=str(certs / "client-ca.pem"))
     config = GatewayConfig(port=0, verifier_addr=edge["verifier"], draft_addr="", enable_cache=False,
-                           enable_ngram=False, tls=tls)
+                           enable_ngram=False, suffix_drafting=False, tls=tls)
     gateway = await build_gateway_parts(config, wait_for_verifier_s=30)
     loopback = add_loopback_port(gateway.server)                 # what `python -m gateway` does
     await gateway.server.start("127.0.0.1", 0)

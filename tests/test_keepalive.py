@@ -110,7 +110,7 @@ async def leased():
     v_channel, d_channel = grpc.aio.insecure_channel(verifier.addr), grpc.aio.insecure_channel(draft.addr)
     v_stub = verifier_pb2_grpc.VerifierStub(v_channel)
     info = await v_stub.GetModelInfo(verifier_pb2.GetModelInfoRequest(), timeout=30)
-    config = GatewayConfig(adaptive_draft_length=False, enable_cache=False, enable_ngram=False)
+    config = GatewayConfig(adaptive_draft_length=False, enable_cache=False, enable_ngram=False, suffix_drafting=False)
     servicer = GenerationServicer(config, load_tokenizer("tiny-target", ""),
                                   ModelInfo(info.model_name, info.max_model_len, frozenset(info.eos_token_ids)),
                                   VerifierPool.of_stubs([v_stub]),

@@ -45,7 +45,7 @@ def tool(name: str) -> Path:
 async def base_url():
     verifier, draft = await start_verifier(), await start_draft()
     config = GatewayConfig(port=0, verifier_addr=verifier.addr, draft_addr=draft.addr, enable_cache=False,
-                           enable_ngram=False)
+                           enable_ngram=False, suffix_drafting=False)
     gateway = await build_gateway_parts(config, wait_for_verifier_s=30)
     port = await gateway.server.start("127.0.0.1", 0)
     http = await start_openai_http(ServedModel("tiny-target", gateway.model.max_model_len, 0), "127.0.0.1", 0,

@@ -76,7 +76,7 @@ async def complete(port: int, prompt: str) -> None:
 async def test_requests_sharing_a_system_prompt_meet_on_one_replica() -> None:
     replicas = [await start_verifier(), await start_verifier()]
     config = GatewayConfig(port=0, verifier_addr=",".join(r.addr for r in replicas), draft_addr="",
-                           enable_cache=False, enable_ngram=False, adaptive_draft_length=False)
+                           enable_cache=False, enable_ngram=False, suffix_drafting=False, adaptive_draft_length=False)
     gateway = await build_gateway_parts(config, wait_for_verifier_s=30)
     port = await gateway.server.start("127.0.0.1", 0)
     stubs = {addr: CountingStub(r.stub) for addr, r in gateway.verifiers.replicas.items()}

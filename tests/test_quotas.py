@@ -158,7 +158,8 @@ async def test_one_key_over_its_stream_limit_does_not_stop_another(verifier: Run
     channel = grpc.aio.insecure_channel(verifier.addr)
     stub = verifier_pb2_grpc.VerifierStub(channel)
     info = await stub.GetModelInfo(verifier_pb2.GetModelInfoRequest(), timeout=30)
-    config = GatewayConfig(api_keys=KEYS, enable_cache=False, enable_ngram=False, adaptive_draft_length=False)
+    config = GatewayConfig(api_keys=KEYS, enable_cache=False, enable_ngram=False, suffix_drafting=False,
+                           adaptive_draft_length=False)
     servicer = GenerationServicer(config, load_tokenizer("tiny-target", ""),
                                   ModelInfo(info.model_name, info.max_model_len, frozenset(info.eos_token_ids)),
                                   VerifierPool.of_stubs([stub]), None)

@@ -64,7 +64,7 @@ async def stack(certs):
                                               tls=service_tls(good, "draft", True, client_ca="both-cas.pem")))
     lax_port = await lax.start("127.0.0.1", 0)               # trusts the client CA too: only the name check is left
     config = GatewayConfig(port=0, verifier_addr=f"127.0.0.1:{v_port}", draft_addr=f"127.0.0.1:{d_port}",
-                           enable_cache=False, enable_ngram=False, api_keys="key-1, key-2",
+                           enable_cache=False, enable_ngram=False, suffix_drafting=False, api_keys="key-1, key-2",
                            tls=service_tls(good, "gateway", False))
     gateway = await build_gateway(config, wait_for_verifier_s=30)
     g_port = await gateway.start("127.0.0.1", 0)
