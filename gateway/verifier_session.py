@@ -52,6 +52,16 @@ def unavailable(details: str) -> grpc.aio.AioRpcError:
 OnMove = Callable[[str, str, str | None, int], None]
 
 
+PREFILL_S_PER_TOKEN = 0.1   # a StartSession may take this much longer per prompt token (a 10 tokens/s floor)
+
+
+def prefill_timeout_s(timeout_s: float, num_prompt_tokens: int) -> float:
+    """A StartSession's deadline: the verifier timeout plus PREFILL_S_PER_TOKEN a prompt token. A prompt near the
+    context limit prefills for a minute alone on one CPU core and for twice that beside running streams (which go
+    first); a flat 120 s killed such a request (DEADLINE_EXCEEDED) while its prefill was progressing."""
+    return timeout_s + PREFILL_S_PER_TOKEN * num_prompt_tokens
+
+
 class VerifierSession:
     def __init__(self, pool: VerifierPool, session_id: str, sampling: SamplingParams, speculative: bool,
                  timeout_s: float, max_failovers: int = 3, on_move: OnMove | None = None) -> None:
@@ -101,7 +111,8 @@ class VerifierSession:
                      ) -> verifier_pb2.StartSessionResponse:
         replica.num_opened += 1                      # counted while it starts: a burst spreads over the replicas
         try:
-            start: verifier_pb2.StartSessionResponse = await replica.stub.StartSession(request, timeout=self.timeout_s)
+            start: verifier_pb2.StartSessionResponse = await replica.stub.StartSession(
+                request, timeout=prefill_timeout_s(self.timeout_s, len(request.prompt_token_ids)))
         except BaseException:
             replica.release()
             raise

@@ -177,7 +177,7 @@ class GatewayConfig:
     max_draft_tokens: int = 16             # largest per-request draft length accepted
     default_max_new_tokens: int = 256
     draft_timeout_s: float = 30.0          # a slower draft call falls back to target-only for a few rounds
-    verifier_timeout_s: float = 120.0
+    verifier_timeout_s: float = 120.0      # a Verify slower than this fails; StartSession: + 0.1 s a prompt token
     end_session_retry_s: float = 600.0     # a failed EndSession is retried with backoff up to this long
     session_keepalive_s: float = 0.0       # renew open streams' session leases this often; 0 = a third of the lease
     health_probe_interval_s: float = 1.0   # verifier health probes: pause between rounds of probes

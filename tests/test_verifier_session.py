@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from gateway.replicas import VerifierPool
-from gateway.verifier_session import SessionLost, VerifierSession
+from gateway.verifier_session import SessionLost, VerifierSession, prefill_timeout_s
 from protos.specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 from specmesh.spec.sampling import SamplingParams
 
@@ -162,3 +162,10 @@ async def test_a_moved_sampled_session_continues_from_the_targets_distribution()
     second = [b for a, b in pairs if a == first]
     assert len(second) >= 60
     assert_follows(second, target_probs([*prompt_ids, first]))
+
+
+def test_a_long_prompt_gets_time_to_prefill() -> None:
+    """A 3,900-token prompt prefills for ~65 s alone on one core and ~2x that beside a stream: its StartSession is
+    not cut at the flat verifier timeout."""
+    assert prefill_timeout_s(120.0, 0) == 120.0
+    assert prefill_timeout_s(120.0, 3900) == pytest.approx(510.0)
