@@ -106,7 +106,9 @@ async def run(addr: str, args: argparse.Namespace, docs: list[TrafficRequest]) -
             await close()
         row["gap_ratio"] = row["longest_gap_s"] / row["median_gap_s"]
         row["ttft_ratio"] = row["ttft_s"] / alone
-        row["goals"] = {"gap": row["gap_ratio"] <= MAX_GAP_RATIO, "ttft": row["ttft_ratio"] <= MAX_TTFT_RATIO}
+        ok = not row["error"]                                                  # a failed prompt meets no goal
+        row["goals"] = {"gap": ok and row["gap_ratio"] <= MAX_GAP_RATIO,
+                        "ttft": ok and row["ttft_ratio"] <= MAX_TTFT_RATIO}
         log(f"{config}: median gap {row['median_gap_s'] * 1e3:.0f} ms, longest while the prompt prefilled "
             f"{row['longest_gap_s'] * 1e3:.0f} ms ({row['gap_ratio']:.1f}x, goal <= {MAX_GAP_RATIO}x); prompt TTFT "
             f"{row['ttft_s']:.1f} s beside vs {alone:.1f} s alone ({row['ttft_ratio']:.2f}x, goal <= "
