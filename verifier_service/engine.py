@@ -22,8 +22,6 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from opentelemetry.trace import SpanContext
@@ -34,7 +32,7 @@ from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.forward_cost import Fit
 from specmesh.engine.loop import Completion, EngineError
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
-from specmesh.engine.scheduler import ForwardRequest, ScheduledItem, SeqState
+from specmesh.engine.scheduler import ScheduledItem, SeqState
 from specmesh.spec.rejection import SparseDist
 from specmesh.spec.sampling import SamplingParams, make_generator
 from specmesh.spec.tree import keep_shallow
@@ -42,88 +40,11 @@ from specmesh.telemetry.metrics import StatsCollector
 from verifier_service.ahead import match_ahead
 from verifier_service.decode_ahead import DecodeAhead
 from verifier_service.forward_share import ForwardShare, VerifyResult
+from verifier_service.messages import AHEAD_STEP, NO_CALLER, Caller, Drafts, End, Start, Verify, VerifyRequest
 from verifier_service.session import Session
 from verifier_service.verdicts import chain_verdict, greedy_rows, tree_verdict
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Start:
-    session_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    done: Completion[VerifyResult]
-    deadline: float | None = None
-    max_new_tokens: int = 0
-    speculative: bool = False
-
-
-@dataclass(frozen=True)
-class _Verify:
-    session_id: str
-    draft_ids: list[int]
-    draft_dists: list[SparseDist] | None
-    done: Completion[VerifyResult]
-    deadline: float | None = None
-    draft_parents: list[int] | None = None     # a token tree (None = chain)
-
-
-@dataclass(frozen=True)
-class _Drafts:
-    """What a queued verify checks: the drafts' q and, for a tree, its shape and the request's node indices."""
-
-    dists: list[SparseDist] | None
-    parents: list[int] | None = None
-    node_indices: list[int] | None = None      # kept node -> its index in the request (nodes past the context drop)
-    ahead_path: tuple[int, ...] = ()           # request nodes already accepted against tokens decoded ahead
-    is_ahead_step: bool = False                # no caller: decoding ahead (greedy), after any guesses
-
-
-class Caller(Protocol):
-    """Who waits for a queued request's answer: the verify's `Completion`, or nobody (`_NoCaller`)."""
-
-    @property
-    def span_context(self) -> SpanContext | None: ...
-
-    @property
-    def submitted_at(self) -> float | None: ...
-
-    def set_result(self, value: VerifyResult) -> None: ...
-
-    def set_exception(self, exc: BaseException) -> None: ...
-
-
-class _NoCaller:
-    """The completion of a decode-ahead step: nobody waits for it."""
-
-    span_context = None
-    submitted_at = None
-
-    def set_result(self, value: VerifyResult) -> None:
-        pass
-
-    def set_exception(self, exc: BaseException) -> None:
-        pass
-
-
-_AHEAD_STEP = _Drafts(None, is_ahead_step=True)
-_NO_CALLER = _NoCaller()
-
-
-@dataclass(kw_only=True)
-class VerifyRequest(ForwardRequest):
-    """A session's work in the scheduler's queue: its start (a verify of no drafts), a verify, or a step decoding
-    ahead."""
-
-    session: Session
-    drafts: _Drafts
-    done: Caller
-
-
-@dataclass(frozen=True)
-class _End:
-    session_id: str
 
 
 class VerifierEngine(BatchedEngine[VerifyRequest]):
@@ -156,7 +77,7 @@ class VerifierEngine(BatchedEngine[VerifyRequest]):
         speculative: the caller drafts for this session (decoding ahead may guess in rounds without drafts too)."""
         done: Completion[VerifyResult] = Completion()
         self._urgent = True
-        self.post(_Start(session_id, prompt_ids, params, done, deadline, max_new_tokens, speculative))
+        self.post(Start(session_id, prompt_ids, params, done, deadline, max_new_tokens, speculative))
         return done
 
     def verify(self, session_id: str, draft_ids: list[int], draft_dists: list[SparseDist] | None,
@@ -165,7 +86,7 @@ class VerifierEngine(BatchedEngine[VerifyRequest]):
         done: Completion[VerifyResult] = Completion()
         if draft_ids and not self._settled_ahead(session_id, draft_ids, draft_parents):
             self._urgent = True
-        self.post(_Verify(session_id, draft_ids, draft_dists, done, deadline, draft_parents))
+        self.post(Verify(session_id, draft_ids, draft_dists, done, deadline, draft_parents))
         return done
 
     def _settled_ahead(self, session_id: str, draft_ids: list[int], draft_parents: list[int] | None) -> bool:
@@ -179,16 +100,16 @@ class VerifierEngine(BatchedEngine[VerifyRequest]):
         return bool(ahead_ids) and match_ahead(ahead_ids, draft_ids, draft_parents).resolved
 
     def end_session(self, session_id: str) -> None:
-        self.post(_End(session_id))
+        self.post(End(session_id))
 
     # ---- engine thread ----------------------------------------------------------------------------------------
-    def handle(self, message: _Start | _Verify | _End) -> None:
+    def handle(self, message: Start | Verify | End) -> None:
         self._ahead_stalled = False
         self._urgent = False
         try:
-            if isinstance(message, _Start):
+            if isinstance(message, Start):
                 self._handle_start(message)
-            elif isinstance(message, _Verify):
+            elif isinstance(message, Verify):
                 self._handle_verify(message)
             else:
                 self._close(message.session_id, EngineError("CANCELLED", "session ended"))
@@ -196,14 +117,14 @@ class VerifierEngine(BatchedEngine[VerifyRequest]):
             if not isinstance(exc, EngineError):
                 log.exception("verifier: handling %s failed", type(message).__name__)
                 exc = EngineError("INTERNAL", f"verifier: {exc!r}")
-            if not isinstance(message, _End):
+            if not isinstance(message, End):
                 message.done.set_exception(exc)
 
     def _admit(self) -> None:
         if self.scheduler.num_waiting >= self.max_queue_len:
             raise EngineError("RESOURCE_EXHAUSTED", f"verifier queue is full ({self.max_queue_len} waiting)")
 
-    def _handle_start(self, msg: _Start) -> None:
+    def _handle_start(self, msg: Start) -> None:
         if self.draining:
             raise EngineError("UNAVAILABLE", "verifier is draining (shutting down): retry on another replica")
         self._admit()
@@ -218,10 +139,10 @@ class VerifierEngine(BatchedEngine[VerifyRequest]):
         max_len = len(msg.prompt_ids) + msg.max_new_tokens if msg.max_new_tokens > 0 else self.max_model_len
         session = Session(msg.session_id, seq, msg.params, make_generator(msg.params.seed), max_len,
                           num_delivered=len(msg.prompt_ids), speculative=msg.speculative)
-        self._enqueue(session, [], _Drafts(None), msg.done, msg.deadline)
+        self._enqueue(session, [], Drafts(None), msg.done, msg.deadline)
         self.sessions[msg.session_id] = session
 
-    def _handle_verify(self, msg: _Verify) -> None:
+    def _handle_verify(self, msg: Verify) -> None:
         self._admit()
         session = self.sessions.get(msg.session_id)
         if session is None:
@@ -247,7 +168,7 @@ class VerifierEngine(BatchedEngine[VerifyRequest]):
         self._enqueue_in_room(session, msg, match.rest_ids, None, match.rest_parents, match.rest_indices,
                               tuple(match.path))
 
-    def _enqueue_in_room(self, session: Session, msg: _Verify, draft_ids: list[int],
+    def _enqueue_in_room(self, session: Session, msg: Verify, draft_ids: list[int],
                          dists: list[SparseDist] | None, parents: list[int] | None,
                          indices: list[int] | None = None, ahead_path: tuple[int, ...] = ()) -> None:
         """Queue the drafts that fit the context (a tree keeps its shallow nodes: paths end at the context length).
@@ -260,10 +181,10 @@ class VerifierEngine(BatchedEngine[VerifyRequest]):
         else:
             kept, parents = keep_shallow(parents, room)
         node_indices = kept if indices is None else [indices[i] for i in kept]
-        drafts = _Drafts([dists[i] for i in kept] if dists else None, parents, node_indices, ahead_path)
+        drafts = Drafts([dists[i] for i in kept] if dists else None, parents, node_indices, ahead_path)
         self._enqueue(session, [draft_ids[i] for i in kept], drafts, msg.done, msg.deadline)
 
-    def _enqueue(self, session: Session, draft_ids: list[int], drafts: _Drafts,
+    def _enqueue(self, session: Session, draft_ids: list[int], drafts: Drafts,
                  done: Caller, deadline: float | None) -> None:
         request = VerifyRequest(session.seq, draft_ids, len(draft_ids) + 1, deadline=deadline, session=session,
                                 drafts=drafts, done=done)
@@ -291,7 +212,7 @@ class VerifierEngine(BatchedEngine[VerifyRequest]):
         verify_waiting = any(map(self.scheduler.is_decode, self.scheduler))
         ahead = [] if verify_waiting else self._ahead_sessions()
         self._ahead_beside_drafts = any(s.drafting for s in ahead) and not self.scheduler.num_waiting
-        requests = [VerifyRequest(s.seq, g, len(g) + 1, session=s, drafts=_AHEAD_STEP, done=_NO_CALLER)
+        requests = [VerifyRequest(s.seq, g, len(g) + 1, session=s, drafts=AHEAD_STEP, done=NO_CALLER)
                     for s, g in zip(ahead, self.ahead.guesses_for(ahead, self._ahead_fit(ahead)), strict=True)]
         for request in requests:                    # (not `busy`: a verify arriving next finds none of them)
             self.scheduler.enqueue(request)
