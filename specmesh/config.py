@@ -173,7 +173,8 @@ class GatewayConfig:
     adaptive_draft_length: bool = False    # tiers: pick k per round from acceptance and measured costs (<= the
                                            # request's); suffix drafting chooses per round on its own
     learned_priors: bool = True            # new requests start from what ended ones measured (learned_priors.py)
-    draft_prefetch: bool = True            # ask for the next block while the verifier works (hides the draft RTT)
+    draft_prefetch: bool = False           # ask for the next block while the verifier works (hides the draft RTT);
+                                           # off: with suffix drafting it made the choice pick the model less (eval)
     max_draft_tokens: int = 16             # largest per-request draft length accepted
     default_max_new_tokens: int = 256
     draft_timeout_s: float = 30.0          # a slower draft call falls back to target-only for a few rounds

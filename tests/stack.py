@@ -61,10 +61,11 @@ async def start_draft(model: str = "tiny-draft", draft_ahead: bool = True, head_
 
 async def start_gateway(verifier_addr: str, draft_addr: str, resolver: Resolver = resolve_dns,
                         **overrides: object) -> Running:
-    # Tests measure the draft service alone unless they opt into the cache / n-gram tiers (tests/test_tiers.py).
-    # Fixed draft lengths too, unless a test opts into the adaptive controller.
+    # Tests measure the draft service alone unless they opt into the cache / n-gram tiers (tests/test_tiers.py) or
+    # suffix drafting. Fixed draft lengths too, unless a test opts into the adaptive controller; prefetch on unless a
+    # test turns it off.
     overrides = {"enable_cache": False, "enable_ngram": False, "adaptive_draft_length": False, "suffix_drafting": False,
-                 **overrides}
+                 "draft_prefetch": True, **overrides}
     config = GatewayConfig(port=0, verifier_addr=verifier_addr, draft_addr=draft_addr, **overrides)
     server = await build_gateway(config, wait_for_verifier_s=30, resolver=resolver)
     return Running(server, await server.start("127.0.0.1", 0))
