@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -151,24 +152,30 @@ def test_tree_alternatives_are_priced_by_hits_per_node_against_the_round_rate() 
 
 
 
+
+def simulate(ctrl: DraftLengthController, rounds: int, acceptance: float, seed: int,
+             draft_s: Callable[[int], float], verify_s: Callable[[int], float],
+             forward_ran: Callable[[int], bool] = lambda k: True) -> list[int]:
+    """Rounds of `ctrl`'s k, each draft accepted with prob `acceptance` until the first rejection; the round's draft
+    wait, verify time and whether a forward ran are functions of k. Returns each round's k."""
+    rng = random.Random(seed)
+    ks = []
+    for _ in range(rounds):
+        k = ctrl.next_k()
+        ks.append(k)
+        accepted = 0
+        while accepted < k and rng.random() < acceptance:
+            accepted += 1
+        ctrl.observe(k, accepted, draft_s=draft_s(k), verify_s=verify_s(k), forward_ran=forward_ran(k))
+    return ks
+
+
 def _rounds_with_ahead(forward_ran_reported: bool) -> list[int]:
     """One stream whose verifier decodes ahead while idle: a k = 0 round is answered from tokens already decoded,
     in ~1 ms and with no forward; a drafted round runs a forward (0.1 s + 4 ms a token) and 80% of drafts hold.
     The stream starts at k = 0 (as after a run of rejections); only probes draft. Returns each round's k."""
-    ctrl = DraftLengthController(min_k=0, max_k=4, initial_k=0)
-    rng = random.Random(1)
-    ks = []
-    for _ in range(300):
-        k = ctrl.next_k()
-        ks.append(k)
-        accepted = 0
-        while accepted < k and rng.random() < 0.8:
-            accepted += 1
-        forward = k > 0
-        ctrl.observe(k, accepted, draft_s=0.005 * k, verify_s=0.1 + 0.004 * k if forward else 0.001,
-                     forward_ran=forward or not forward_ran_reported)
-    return ks
-
+    return simulate(DraftLengthController(min_k=0, max_k=4, initial_k=0), 300, 0.8, 1, lambda k: 0.005 * k,
+                    lambda k: 0.1 + 0.004 * k if k > 0 else 0.001, lambda k: k > 0 or not forward_ran_reported)
 
 def test_verdicts_without_a_forward_do_not_price_verify() -> None:
     """A verdict settled by tokens decoded ahead costs the round ~nothing but was paid for by earlier forwards: fed
@@ -195,14 +202,6 @@ def test_draft_wait_splits_fixed_and_per_token_until_k_spreads_then_fits_the_lin
 def test_a_fixed_draft_wait_lets_one_stream_climb_from_k_1() -> None:
     """A draft service that drafts ahead makes a round wait ~40 ms for its draft whatever k: starting at k = 1 (as
     learned priors may start it), a stream whose drafts hold 80% of the time climbs to the longest block."""
-    ctrl = DraftLengthController(min_k=0, max_k=4, initial_k=1)
-    rng = random.Random(3)
-    ks = []
-    for _ in range(200):
-        k = ctrl.next_k()
-        ks.append(k)
-        accepted = 0
-        while accepted < k and rng.random() < 0.8:
-            accepted += 1
-        ctrl.observe(k, accepted, draft_s=0.04 if k else 0.0, verify_s=0.1 + 0.018 * k)
+    ks = simulate(DraftLengthController(min_k=0, max_k=4, initial_k=1), 200, 0.8, 3,
+                  lambda k: 0.04 if k else 0.0, lambda k: 0.1 + 0.018 * k)
     assert sum(k == 4 for k in ks[100:]) > 80
