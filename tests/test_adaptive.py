@@ -10,10 +10,11 @@ import pytest
 from gateway.adaptive import AdaptiveParams, DraftLengthController, expected_tokens
 
 
-def run_rounds(ctrl: DraftLengthController, rounds: int, acceptance: float, draft_per_token: float = 0.01,
-               verify_base: float = 0.1, verify_per_token: float = 0.004, rtt: float | None = None,
-               seed: int = 0) -> list[int]:
-    """Simulate rounds: each drafted token is accepted with prob `acceptance` until the first rejection."""
+def simulate(ctrl: DraftLengthController, rounds: int, acceptance: float, seed: int,
+             draft_s: Callable[[int], float], verify_s: Callable[[int], float],
+             forward_ran: Callable[[int], bool] = lambda k: True, rtt_s: float | None = None) -> list[int]:
+    """Rounds of `ctrl`'s k, each draft accepted with prob `acceptance` until the first rejection; the round's draft
+    wait, verify time and whether a forward ran are functions of k. Returns each round's k."""
     rng = random.Random(seed)
     ks = []
     for _ in range(rounds):
@@ -22,9 +23,16 @@ def run_rounds(ctrl: DraftLengthController, rounds: int, acceptance: float, draf
         accepted = 0
         while accepted < k and rng.random() < acceptance:
             accepted += 1
-        ctrl.observe(k, accepted, draft_s=k * draft_per_token, verify_s=verify_base + verify_per_token * k,
-                     rtt_s=rtt)
+        ctrl.observe(k, accepted, draft_s=draft_s(k), verify_s=verify_s(k), rtt_s=rtt_s, forward_ran=forward_ran(k))
     return ks
+
+
+def run_rounds(ctrl: DraftLengthController, rounds: int, acceptance: float, draft_per_token: float = 0.01,
+               verify_base: float = 0.1, verify_per_token: float = 0.004, rtt: float | None = None,
+               seed: int = 0) -> list[int]:
+    """Simulate rounds: each drafted token is accepted with prob `acceptance` until the first rejection."""
+    return simulate(ctrl, rounds, acceptance, seed, lambda k: k * draft_per_token,
+                    lambda k: verify_base + verify_per_token * k, rtt_s=rtt)
 
 
 def steady_k(acceptance: float, min_k: int = 0, **kwargs) -> int:
@@ -151,23 +159,6 @@ def test_tree_alternatives_are_priced_by_hits_per_node_against_the_round_rate() 
     assert never.tree_width(0) == 0
 
 
-
-
-def simulate(ctrl: DraftLengthController, rounds: int, acceptance: float, seed: int,
-             draft_s: Callable[[int], float], verify_s: Callable[[int], float],
-             forward_ran: Callable[[int], bool] = lambda k: True) -> list[int]:
-    """Rounds of `ctrl`'s k, each draft accepted with prob `acceptance` until the first rejection; the round's draft
-    wait, verify time and whether a forward ran are functions of k. Returns each round's k."""
-    rng = random.Random(seed)
-    ks = []
-    for _ in range(rounds):
-        k = ctrl.next_k()
-        ks.append(k)
-        accepted = 0
-        while accepted < k and rng.random() < acceptance:
-            accepted += 1
-        ctrl.observe(k, accepted, draft_s=draft_s(k), verify_s=verify_s(k), forward_ran=forward_ran(k))
-    return ks
 
 
 def _rounds_with_ahead(forward_ran_reported: bool) -> list[int]:
