@@ -20,6 +20,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from transformers import AutoTokenizer
@@ -62,6 +63,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--cpus", default="", help="taskset -c cpu list for every service and the peer ('' = none)")
     p.add_argument("--peer-threads", type=int, default=0,
                    help="llama-server threads (0 = the stack's model cores: --cpus, else 2x --threads)")
+    p.add_argument("--cache", choices=("cold", "shared"), default="cold",
+                   help="cold (default): every rate and configuration sends its own prompts (a tag opens each), so "
+                        "no run meets another's in the prefix cache, like llama-server without cache_prompt; "
+                        "shared: the configurations of a rate send the same prompts and the defaults' greedy "
+                        "output is checked against target-only's (the second configuration finds the first's "
+                        "prompts cached)")
     p.add_argument("--name", default="")
     args = p.parse_args(argv)
     unknown = set(split_csv(args.configs)) - set(CONFIGS)
@@ -75,10 +82,19 @@ def stack(args: argparse.Namespace) -> contextlib.AbstractContextManager[str]:
     return stack_addr(args, dict.fromkeys(("verifier", "draft", "gateway"), args.cpus) if args.cpus else None)
 
 
+def salted(traffic: list[TrafficRequest], tag: str) -> list[TrafficRequest]:
+    """The requests with `tag` opening each one's first message: a prefix cache holds nothing of another run's."""
+    return [replace(r, messages=[(r.messages[0][0], f"[{tag}] {r.messages[0][1]}"), *r.messages[1:]])
+            for r in traffic]
+
+
 async def run_configs(senders: dict[str, tuple[Any, Any]], traffic: list[TrafficRequest], rates: list[float],
-                      seed: int) -> list[dict[str, Any]]:
+                      seed: int, cache: str = "cold") -> list[dict[str, Any]]:
     """One unmeasured short request per configuration, then the traffic at every rate (same requests, arrival times
-    from the rate and seed), the configurations' order alternating between rates (drift hits all alike)."""
+    from the rate and seed), the configurations' order alternating between rates (drift hits all alike). Each run's
+    prompts open with a tag of its rate and, with `cache` "cold", its configuration: no run finds another's
+    prompts in specmesh's prefix cache (llama-server runs with cache_prompt off); "shared": the configurations of one
+    rate send the same prompts, so the second finds the first's in the cache, and greedy outputs compare."""
     rows = []
     shortest = min(traffic, key=lambda r: r.prompt_tokens)
     warm = TrafficRequest("warm-up", shortest.kind, shortest.messages, shortest.prompt_tokens, 4)
@@ -87,8 +103,9 @@ async def run_configs(senders: dict[str, tuple[Any, Any]], traffic: list[Traffic
             await run_open_loop(send, [warm], [0.0], config)
         for i, rate in enumerate(rates):
             for config in list(senders)[::-1 if i % 2 else 1]:
-                results, wall = await run_open_loop(senders[config][0], traffic, arrivals(len(traffic), rate, seed),
-                                                    config)
+                tag = f"run {i + 1}" + (f" {config}" if cache == "cold" else "")
+                results, wall = await run_open_loop(senders[config][0], salted(traffic, tag),
+                                                    arrivals(len(traffic), rate, seed), config)
                 rows.append({"rate": rate, "config": config, "wall_s": wall, "summary": summarize(results),
                              "results": results})
                 _log_row(rows[-1])
@@ -106,22 +123,25 @@ def _log_row(row: dict[str, Any]) -> None:
 
 
 async def run_stack(addr: str, configs: list[str], traffic: list[TrafficRequest], rates: list[float],
-                    seed: int) -> list[dict[str, Any]]:
-    return await run_configs({c: grpc_sender(addr, STACK_CONFIGS[c]) for c in configs}, traffic, rates, seed)
+                    seed: int, cache: str = "cold") -> list[dict[str, Any]]:
+    return await run_configs({c: grpc_sender(addr, STACK_CONFIGS[c]) for c in configs}, traffic, rates, seed,
+                             cache)
 
 
-async def run_peer(base_url: str, traffic: list[TrafficRequest], rates: list[float], seed: int) -> list[dict]:
-    return await run_configs({PEER: http_sender(base_url, {"cache_prompt": False})}, traffic, rates, seed)
+async def run_peer(base_url: str, traffic: list[TrafficRequest], rates: list[float], seed: int,
+                   cache: str = "cold") -> list[dict]:
+    return await run_configs({PEER: http_sender(base_url, {"cache_prompt": False})}, traffic, rates, seed, cache)
 
 
-def check_exact(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per rate: every request's tokens with the defaults equal its target-only tokens (greedy); errors count."""
+def check_exact(rows: list[dict[str, Any]], compare: bool = True) -> list[dict[str, Any]]:
+    """Per rate: every request's tokens with the defaults equal its target-only tokens (greedy, where both sent the
+    same prompts: `--cache shared`); errors count."""
     problems = []
     for row in rows:
         problems += [{"rate": row["rate"], "config": row["config"], "id": r.id, "error": r.error}
                      for r in row["results"] if r.error]
     by = {(row["rate"], row["config"]): row["results"] for row in rows}
-    for rate in sorted({row["rate"] for row in rows}):
+    for rate in sorted({row["rate"] for row in rows}) if compare else []:
         target, spec = by.get((rate, "target")), by.get((rate, "spec"))
         if target and spec:
             problems += [{"rate": rate, "config": "spec", "id": s.id, "mismatch": True}
@@ -197,16 +217,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     stack_configs = [c for c in configs if c in STACK_CONFIGS]
     if stack_configs:
         with stack(args) as addr:
-            rows += asyncio.run(run_stack(addr, stack_configs, traffic, rates, args.seed))
+            rows += asyncio.run(run_stack(addr, stack_configs, traffic, rates, args.seed, args.cache))
     server, gguf, peer = peer_section(args, configs)
     if server:
         try:
             with running_server(server, gguf, peer["threads"], args.cpus) as base_url:
-                rows += asyncio.run(run_peer(base_url, traffic, rates, args.seed))
+                rows += asyncio.run(run_peer(base_url, traffic, rates, args.seed, args.cache))
         except (RuntimeError, TimeoutError, OSError) as exc:     # the stack's results survive a bad peer
             peer["failed"] = str(exc)
             log(f"llama-server peer failed: {exc}")
-    problems = check_exact(rows)
+    problems = check_exact(rows, compare=args.cache == "shared")
     print_table(rows)
     write_report(args, meta, traffic, rows, peer, problems, time.perf_counter() - started)
     return 1 if problems else 0

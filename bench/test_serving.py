@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from bench import serving
 from bench.common import Prompt
 from bench.serving_clients import StreamResult, http_sender, percentile, run_open_loop, summarize
-from bench.serving_mix import arrivals, build_traffic, load_lengths
+from bench.serving_mix import TrafficRequest, arrivals, build_traffic, load_lengths
 from bench.serving_peer import find_server, server_command
 from gateway.openai_http import ServedModel, start_openai_http
 from specmesh.models import resolve_model_dir
@@ -71,6 +71,17 @@ def test_latency_terms_from_message_times() -> None:
     assert s["ttft_p50_s"] == pytest.approx(0.15)
 
 
+def test_each_run_opens_its_prompts_with_its_own_tag() -> None:
+    """--cache cold: no run meets another's prompts in the prefix cache, so later rates and the second configuration
+    of a rate are not flattered by the first; the rest of each request is unchanged."""
+    chat = TrafficRequest("r0-chat", "chat", [("system", "Be brief."), ("user", "Hi")], 5, 4)
+    a, b = serving.salted([chat], "run 1 spec")[0], serving.salted([chat], "run 1 target")[0]
+    assert a.messages[0] == ("system", "[run 1 spec] Be brief.") and a.messages[1:] == chat.messages[1:]
+    assert a.messages != b.messages and (a.id, a.max_tokens) == (chat.id, chat.max_tokens)
+    assert serving.check_exact([{"rate": 1.0, "config": c, "results": []} for c in ("target", "spec")],
+                               compare=False) == []
+
+
 def test_no_binary_means_no_peer(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.delenv("SPECMESH_LLAMA_SERVER", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
@@ -90,7 +101,8 @@ async def test_a_tiny_run_reports_every_field(tokenizer, tmp_path: Path, monkeyp
     try:
         traffic = build_traffic(3, 0, tokenizer, CHATS, 200, 6, lengths=[(5, 6), (5, 4)]) + \
             build_traffic(1, 0, tokenizer, CHATS, 200, 6, lengths=[(150, 5)])        # 3 chats, 1 document
-        rows = await serving.run_stack(gateway.addr, ["target", "spec"], traffic, [8.0, 32.0], seed=0)
+        rows = await serving.run_stack(gateway.addr, ["target", "spec"], traffic, [8.0, 32.0], seed=0,
+                                       cache="shared")
         send, close = http_sender(f"http://127.0.0.1:{http.port}")
         try:
             sse, _ = await run_open_loop(send, traffic[:2], [0.0, 0.01], "llama-server")

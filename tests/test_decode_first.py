@@ -11,7 +11,7 @@ from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.prefill_wait import PrefillClock
 from specmesh.engine.scheduler import ForwardRequest, ScheduledItem, Scheduler, SeqState
 from specmesh.engine.step_budget import StepBudget, check_step_budget
-from specmesh.engine.step_cost import StepCost
+from specmesh.engine.step_cost import StepCost, attention_pairs
 from tests.test_scheduler import new_seq, no_idle, run_forward, verify_request
 
 
@@ -56,7 +56,7 @@ def test_a_decode_runs_in_every_step_while_a_long_prompt_prefills(cost) -> None:
         by_seq = {i.request.seq.seq_id: i for i in batch}
         assert by_seq[0].is_decode and by_seq[0].is_final                               # the stream, every step
         step = by_seq[1]                                                                # the prompt progresses
-        assert len(step.token_ids) > 0 and step.is_decode == (200 - prompt.num_computed <= 4)   # last block: decode
+        assert len(step.token_ids) > 0 and step.is_decode == (200 - prompt.num_computed <= 1)   # logits only: decode
         if not step.is_decode:
             assert batch[0] is by_seq[0]                                                # decodes come first
         if cost is not None:                     # 2x the decodes alone (4 tokens: 0.28 s), 4 prefill tokens at least
@@ -72,8 +72,8 @@ def test_a_decode_runs_in_every_step_while_a_long_prompt_prefills(cost) -> None:
         steps += 1
         assert steps < 200
     assert prefilled == 200 + 5 and len(scheduler) == 1
-    assert step.is_final and step.is_decode            # the prompt's last block ran as a decode beside the stream
-    assert scheduler.last_step.num_decode_tokens == 4 + len(step.token_ids)
+    assert step.is_final       # its last block ran as prefill too, within the bound (a decode only if logits alone)
+    assert scheduler.last_step.num_decode_tokens + scheduler.last_step.num_prefill_tokens == 4 + len(step.token_ids)
     scheduler.block_manager.check_invariants()
 
 
@@ -251,6 +251,18 @@ def test_the_default_budget_keeps_a_stream_within_3x_its_median_gap_on_a_simulat
     assert tokens_only.longest_gap_s > 100 * tokens_only.median_gap_s
 
 
+def test_pricing_attention_pairs_keeps_the_bound_where_late_chunks_are_dear() -> None:
+    """bench/step_budget_sim.py on a host where tokens are cheap (1 ms) and attention is not (1 us a pair): chunks
+    are long, so late in a 4000-token prompt their pairs decide their cost. Priced, the stream keeps 3x its median
+    gap; priced by tokens alone (the engine before the pair term), the late chunks overrun the bound."""
+    from bench.step_budget_sim import COST_MODELS, simulate
+
+    model, defaults = COST_MODELS["cheap-tokens"], StepBudget()
+    priced = simulate(model, defaults.factor, defaults.min_prefill_tokens, 4000, 0.02)
+    by_tokens = simulate(model, defaults.factor, defaults.min_prefill_tokens, 4000, 0.02, price_pairs=False)
+    assert priced.longest_gap_s <= 3 * priced.median_gap_s < by_tokens.longest_gap_s
+
+
 @pytest.mark.parametrize("max_decode_tokens, expect_decode", [(0, False), (32, True)])
 def test_a_running_sessions_catch_up_goes_before_an_older_prompt(max_decode_tokens: int, expect_decode: bool) -> None:
     """The draft service's case: a running session's Propose brings 20 tokens verified since its last one (rounds
@@ -277,3 +289,80 @@ def test_a_running_sessions_catch_up_goes_before_an_older_prompt(max_decode_toke
     assert by_seq[0].is_decode == expect_decode
     if not expect_decode:
         assert prompt.num_computed == 200                       # it waited out the prompt's whole prefill
+
+
+def test_a_catch_up_split_by_a_full_step_stays_a_decode() -> None:
+    """A catch-up of 40 tokens (a decode with max_decode_tokens 48) in a 32-token step runs in two parts, and the
+    second still goes before the older prompt's chunks: only a prompt's chunks make a request prefill to its end."""
+    scheduler = make(budget=32, step_budget=StepBudget(None, min_prefill_tokens=4))
+    scheduler.max_decode_tokens = 48
+    stream = decoding(scheduler, 0)
+    prompt = new_seq(1, 200, first=1000)
+    scheduler.enqueue(verify_request(prompt, 0))
+    stream.token_ids += list(range(500, 540))
+    stream.num_verified = len(stream.token_ids)
+    catch_up = verify_request(stream, 0)
+    scheduler.enqueue(catch_up)
+    for _ in range(2):
+        batch, _ = scheduler.schedule(no_idle)
+        assert batch[0].request is catch_up and batch[0].is_decode
+        run_forward(scheduler, batch)
+    assert batch[0].is_final and not catch_up.chunked and prompt.num_computed < 200
+
+
+# ------------------------------------------------------------------ attention pairs: late chunks of long prompts
+def test_step_cost_separates_what_an_attention_pair_costs_from_what_a_token_costs() -> None:
+    """Steps of the same sizes at different positions of a long prompt (t = 50 ms + 10 ms a token + 2 us a pair):
+    the fit recovers the pair's price, and predicts a step early and late in the prompt."""
+    def truth(n: int, pairs: int) -> float:
+        return 0.05 + 0.01 * n + 2e-6 * pairs
+
+    cost = StepCost()
+    assert cost.pair_seconds(1) == 0.0
+    for start in range(0, 4096, 256):
+        for n in (1, 16, 100, 300, 511):
+            pairs = attention_pairs(start, n)
+            cost.observe(n, 1, truth(n, pairs), pairs)
+    assert cost.pair_seconds(1) == pytest.approx(2e-6, rel=1e-3)
+    for start, n in ((0, 100), (3500, 300), (40, 16)):
+        pairs = attention_pairs(start, n)
+        predicted = cost.seconds(n, 1) + cost.pair_seconds(1) * pairs
+        assert predicted == pytest.approx(truth(n, pairs), rel=1e-3)
+
+
+def test_step_cost_does_not_invent_a_price_for_pairs() -> None:
+    """Steps whose cost is their tokens' alone, though their pairs grow with the square of their size (every one
+    from position 0) and with position (decodes late in a context): pairs are priced at nothing."""
+    cost = StepCost()
+    for start in (0, 0, 0, 500, 2000):
+        for n in (1, 8, 12, 64, 100, 300, 500):
+            cost.observe(n, 1, 0.1 + 0.01 * n, attention_pairs(start, n))
+    assert cost.pair_seconds(1) == pytest.approx(0.0, abs=1e-12)
+    assert cost.seconds(64, 1) == pytest.approx(0.1 + 0.64)
+
+
+def test_a_chunk_late_in_a_long_prompt_is_shorter_and_every_step_keeps_its_bound() -> None:
+    """A stream decoding beside a 600-token prompt, pairs priced: each step's cost (tokens and pairs) stays within
+    its bound, the prompt progresses every step, and its chunks shrink as they attend to more positions."""
+    def pair_cost() -> float:
+        return 1e-4
+
+    budget = StepBudget(linear_cost, factor=2.0, min_prefill_tokens=4, pair_cost=pair_cost)
+    scheduler = make(budget=128, num_blocks=512, step_budget=budget)
+    stream = decoding(scheduler, 0)
+    prompt = new_seq(1, 600, first=5000)
+    scheduler.enqueue(verify_request(prompt, 0))
+    chunks = []
+    while prompt.num_computed < len(prompt.token_ids) - 1:
+        scheduler.enqueue(verify_request(stream, 1))
+        batch = scheduler.schedule(no_idle)[0]
+        assert any(i.request.seq is stream for i in batch)
+        step = budget.seconds(sum(len(i.token_ids) for i in batch), sum(i.num_pairs for i in batch))
+        bound = scheduler.last_step.bound_s
+        assert bound is not None and step is not None and step <= bound + 1e-12
+        chunk = [i for i in batch if i.request.seq is prompt]
+        assert chunk and chunk[0].token_ids
+        if not chunk[0].is_final:
+            chunks.append(len(chunk[0].token_ids))
+        run_forward(scheduler, batch)
+    assert chunks[-1] < chunks[0] / 2

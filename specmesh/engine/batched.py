@@ -52,7 +52,8 @@ class BatchedEngine(EngineThread, Generic[R]):
         # seconds of a step by its size (every forward), which sizes the steps that carry prefill (step_budget.py)
         self.step_cost = StepCost()
         self.scheduler: Scheduler[R] = Scheduler(block_manager, max_num_batched_tokens, max_num_seqs,
-                                                 StepBudget(self.step_seconds), max_decode_tokens)
+                                                 StepBudget(self.step_seconds, pair_cost=self.pair_seconds),
+                                                 max_decode_tokens)
         self.prefill_clock = PrefillClock()       # when forwards carrying prefill ran (waits behind prefill)
         self.num_steps = 0
         self.num_threads = num_threads
@@ -80,11 +81,17 @@ class BatchedEngine(EngineThread, Generic[R]):
         """A step carrying decodes costs at most `factor` times its decodes alone, and always fits
         `min_prefill_tokens` of prefill (step_budget.py); factor 0: token budget only."""
         check_step_budget(factor, min_prefill_tokens)
-        self.scheduler.step_budget = StepBudget(self.step_seconds if factor else None, factor, min_prefill_tokens)
+        self.scheduler.step_budget = StepBudget(self.step_seconds if factor else None, factor, min_prefill_tokens,
+                                                self.pair_seconds)
 
     def step_seconds(self, num_tokens: int) -> float | None:
         """Measured seconds of a step of `num_tokens` tokens under the engine's thread policy (None: not yet)."""
         return self.step_cost.seconds(num_tokens, BatchedEngine.threads_for(self, num_tokens))
+
+    def pair_seconds(self) -> float:
+        """Measured seconds one attention pair adds to a step (on the threads of a step that carries prefill)."""
+        return self.step_cost.pair_seconds(self.num_threads_max if self.num_threads_max > self.num_threads
+                                           else self.num_threads)
 
     def threads_for(self, num_tokens: int) -> int:
         if self.num_threads_max > self.num_threads and num_tokens >= self.max_threads_min_tokens:
@@ -129,6 +136,7 @@ class BatchedEngine(EngineThread, Generic[R]):
         if not batch:
             return
         self.num_batch_tokens = sum(len(item.token_ids) for item in items)
+        num_pairs = sum(item.num_pairs for item in batch)
         links = [self.span_context(i.request) for i in batch] if self.trace_steps else None
         threads = self.threads_for(self.num_batch_tokens)
         if threads != torch.get_num_threads():       # the engine thread's own setting (int8 logits do not change)
@@ -153,7 +161,7 @@ class BatchedEngine(EngineThread, Generic[R]):
                 self._fail_unexpected(item.request, EngineError("INTERNAL", f"engine forward failed: {exc!r}"))
             return
         self.num_steps += 1
-        self.step_cost.observe(self.num_batch_tokens, threads, self.forward_s)
+        self.step_cost.observe(self.num_batch_tokens, threads, self.forward_s, num_pairs)
         if not self.forward_prefills:
             self.forward_cost.observe(self.num_batch_tokens, threads, self.forward_s)
         finished: list[R] = []

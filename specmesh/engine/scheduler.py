@@ -9,14 +9,16 @@ Rules (all tested in tests/test_scheduler.py without torch):
 
 * Work of sequences that are already decoding comes first: a "decode" request is one whose uncomputed context is
   at most one block (the pending token, or what a preemption left beyond the prefix cache), so it runs whole in
-  one forward (verifies, decoding ahead, a prompt's last chunk). Decodes are scheduled in arrival order, then
+  one forward (verifies, decoding ahead, a short prompt); a request that ran a chunk stays prefill until only its
+  logits tokens are left. Decodes are scheduled in arrival order, then
   prefill requests (the rest) in arrival order fill what is left of the step, then decodes that were deferred.
-* A step is sized in time as well as tokens (`StepBudget`, step_budget.py): with the engine's measured cost t(n),
-  a step carrying d decode tokens (or run while a stream is between two requests) costs at most
-  max(factor * t(max(d, 1)), t(d + min_prefill_tokens)). While prefill waits, decodes leave it one of the
-  `max_num_seqs` slots and min(min_prefill_tokens, max_num_batched_tokens // 2) tokens (unless the oldest request
-  of all is a decode), so a long prompt progresses every step and a decode waits at most one step per older
-  decode (one that does not fit beside that reserve waits until the prefill is done or it is the oldest).
+* A step is sized in time as well as tokens (`StepBudget`, step_budget.py): with the engine's measured cost t(n, P)
+  of n tokens with P attention pairs, a step carrying d decode tokens (or run while a stream is between two
+  requests) costs at most max(factor * t(max(d, 1), P_d), t(d + min_prefill_tokens, P_d + the reserve's pairs)).
+  While prefill waits, decodes leave it one of the `max_num_seqs` slots and min(min_prefill_tokens,
+  max_num_batched_tokens // 2) tokens (unless the oldest request of all is a decode), so a long prompt progresses
+  every step and a decode waits at most one step per older decode (one that does not fit beside that reserve waits
+  until the prefill is done or it is the oldest).
 * Within `max_num_batched_tokens` a request whose tokens do not fit what is left is chunked: a chunk runs only
   context tokens and always stops before the logits tokens, so the final item of a request runs all of them in one
   forward. A request whose logits tokens alone exceed the budget is refused at `enqueue`.
@@ -41,6 +43,7 @@ from typing import Any, Generic, TypeVar
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.errors import EngineError
 from specmesh.engine.step_budget import StepBudget
+from specmesh.engine.step_cost import attention_pairs
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,7 @@ class ForwardRequest:
     extra_ids: list[int]          # tokens after token_ids to run in the same forward (not part of the context)
     num_logits: int               # logits wanted for the last num_logits tokens; len(extra_ids) < num_logits
     deadline: float | None = None # time.monotonic() after which the caller no longer waits
+    chunked: bool = False         # a prefill chunk of it ran: it stays prefill to its end (set by the scheduler)
 
 
 R = TypeVar("R", bound=ForwardRequest)     # an engine's request type
@@ -75,6 +79,11 @@ class ScheduledItem(Generic[R]):
     token_ids: list[int]          # tokens run this step
     is_final: bool                # logits are produced (otherwise a prefill chunk of context tokens only)
     is_decode: bool = False       # work of a sequence already decoding (see Scheduler.is_decode), else prefill
+
+    @property
+    def num_pairs(self) -> int:
+        """Query-key pairs its attention computes (what makes a chunk late in a long prompt cost more)."""
+        return attention_pairs(self.start_pos, len(self.token_ids))
 
 
 @dataclass(frozen=True)
@@ -115,6 +124,10 @@ class _Plan(Generic[R]):
 
     def tokens(self, decode: bool) -> int:
         return sum(len(i.token_ids) for i in self.batch if i.is_decode == decode)
+
+    def pairs(self, decode: bool | None = None) -> int:
+        """Attention pairs of the items so far (of decodes or prefills only, when `decode` says which)."""
+        return sum(i.num_pairs for i in self.batch if decode is None or i.is_decode == decode)
 
 
 @dataclass
@@ -195,10 +208,14 @@ class Scheduler(Generic[R]):
     def is_decode(self, req: R) -> bool:
         """Work of a sequence that is already decoding: its uncomputed context (the pending token, tokens verified
         since the last call, or what a preemption left beyond the prefix cache) is at most one block
-        (`max_decode_tokens` where set), so it runs whole in one forward."""
+        (`max_decode_tokens` where set), so it runs whole in one forward. A request chunked before stays prefill
+        until only its logits tokens are left: a long prompt's last block, late in its context and so dear, is sized
+        by the step budget like its other chunks instead of running whole before the streams' work."""
         seq = req.seq
-        limit = self.max_decode_tokens or self.block_manager.block_size
-        return seq.allocated and len(seq.token_ids) - seq.num_computed <= limit
+        num_pending = len(seq.token_ids) - seq.num_computed
+        if req.chunked:
+            return seq.allocated and num_pending <= req.num_logits - len(req.extra_ids)
+        return seq.allocated and num_pending <= (self.max_decode_tokens or self.block_manager.block_size)
 
     def schedule(self, idle_seqs: Callable[[], Iterable[SeqState]]) -> tuple[list[ScheduledItem[R]], list[Failure[R]]]:
         """Returns (items for this forward, requests that must fail: expired, larger than the whole pool, faulty).
@@ -216,11 +233,12 @@ class Scheduler(Generic[R]):
         streams = bool(decodes) or self._streams_waiting(idle_seqs)      # a decode waits or may come any time
         in_order = bool(prefills) and (self._oldest_blocked or self.max_num_seqs == 1 and plan.queue[0] is prefills[0])
         if in_order:                     # KV by age (or one slot): oldest first, every item within the bound
-            bound = self.step_budget.bound(0, streams)
+            bound = self.step_budget.bound(0, streams, 0, plan.queue[0].seq.num_computed)
             self._fill(plan, plan.queue, bound, idle_seqs)
         else:
             self._fill_decodes(plan, decodes, prefills, idle_seqs)
-            bound = self.step_budget.bound(plan.tokens(decode=True), streams)
+            bound = self.step_budget.bound(plan.tokens(decode=True), streams, plan.pairs(decode=True),
+                                           prefills[0].seq.num_computed if prefills else 0)
             self._fill(plan, prefills, bound, idle_seqs)
             self._fill(plan, decodes, bound, idle_seqs)       # decodes deferred by the prefill's reserve
         self._oldest_blocked = bool(prefills) and plan.stop == plan.queue.index(prefills[0])
@@ -250,7 +268,7 @@ class Scheduler(Generic[R]):
             if not plan.open(req):
                 continue
             num_tokens = self.max_num_batched_tokens - plan.tokens_left
-            room = self.step_budget.room(num_tokens, bound, plan.tokens_left)
+            room = self.step_budget.room(num_tokens, bound, plan.tokens_left, plan.pairs(), req.seq.num_computed)
             if room > 0 and not self._place(plan, req, room, idle_seqs):
                 return
 
@@ -307,6 +325,7 @@ class Scheduler(Generic[R]):
             if num_chunk <= 0:
                 return None
             run_ids, is_final = seq.token_ids[start: start + num_chunk], False
+            req.chunked = req.chunked or not decode      # a decode split by a full step stays a decode
         if not self._reserve(req, len(run_ids), batch, idle_seqs):
             if not batch and self._holds_only_itself(req):
                 raise EngineError("RESOURCE_EXHAUSTED", "the sequence does not fit in the KV cache")
