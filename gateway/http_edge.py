@@ -61,6 +61,9 @@ def error_middleware(metrics: GatewayMetrics | None, max_body_bytes: int = MAX_B
             if exc.status < 400:                   # redirects and the like pass through
                 raise
             error = _api_error_of(exc, request, max_body_bytes)
+        except ConnectionResetError:               # the client left (a load generator's cancel): no one to answer
+            log.debug("client left during %s %s", request.method, request.path)
+            raise                                  # aiohttp ignores a premature disconnection
         except Exception:                          # a bug: logged with its traceback, answered as JSON
             log.exception("unexpected error answering %s %s", request.method, request.path)
             error = ApiError(500, "internal error (logged by the gateway)", "server_error", code="internal_error")
