@@ -48,7 +48,7 @@ def simulate(cost_model: tuple[float, float, int, float], factor: float, min_pre
     a, b, free, c = cost_model
     measured = StepCost()
     step_budget = StepBudget((lambda n: measured.seconds(n, 1)) if factor else None, factor, min_prefill_tokens,
-                             (lambda: measured.pair_seconds(1)) if price_pairs else None)
+                             (lambda n: measured.pair_seconds(1)) if price_pairs else None)
     scheduler = Scheduler(BlockManager(4 * prompt_tokens // 16 + 64, 16), budget, 64, step_budget)
     stream = SeqState(0, list(range(20)), 20)
     prompt = SeqState(1, list(range(1000, 1000 + prompt_tokens)), prompt_tokens)

@@ -344,7 +344,7 @@ def test_step_cost_does_not_invent_a_price_for_pairs() -> None:
 def test_a_chunk_late_in_a_long_prompt_is_shorter_and_every_step_keeps_its_bound() -> None:
     """A stream decoding beside a 600-token prompt, pairs priced: each step's cost (tokens and pairs) stays within
     its bound, the prompt progresses every step, and its chunks shrink as they attend to more positions."""
-    def pair_cost() -> float:
+    def pair_cost(num_tokens: int) -> float:
         return 1e-4
 
     budget = StepBudget(linear_cost, factor=2.0, min_prefill_tokens=4, pair_cost=pair_cost)

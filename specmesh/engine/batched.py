@@ -88,10 +88,9 @@ class BatchedEngine(EngineThread, Generic[R]):
         """Measured seconds of a step of `num_tokens` tokens under the engine's thread policy (None: not yet)."""
         return self.step_cost.seconds(num_tokens, BatchedEngine.threads_for(self, num_tokens))
 
-    def pair_seconds(self) -> float:
-        """Measured seconds one attention pair adds to a step (on the threads of a step that carries prefill)."""
-        return self.step_cost.pair_seconds(self.num_threads_max if self.num_threads_max > self.num_threads
-                                           else self.num_threads)
+    def pair_seconds(self, num_tokens: int) -> float:
+        """Measured seconds one attention pair adds to a step of `num_tokens` tokens (its thread count's)."""
+        return self.step_cost.pair_seconds(BatchedEngine.threads_for(self, num_tokens))
 
     def threads_for(self, num_tokens: int) -> int:
         if self.num_threads_max > self.num_threads and num_tokens >= self.max_threads_min_tokens:

@@ -111,11 +111,13 @@ class _Plan(Generic[R]):
     batch: list[ScheduledItem[R]] = field(default_factory=list)
     done: set[int] = field(default_factory=set)          # id() of requests scheduled or failed this step
     stop: int | None = None                              # queue index of a request blocked for KV room
+    num_pairs: int = 0                                   # attention pairs of the batch so far
     failed: list[Failure[R]] = field(default_factory=list)
 
     def add(self, item: ScheduledItem[R]) -> None:
         self.batch.append(item)
         self.tokens_left -= len(item.token_ids)
+        self.num_pairs += item.num_pairs
         self.done.add(id(item.request))
 
     def open(self, req: R) -> bool:
@@ -125,9 +127,8 @@ class _Plan(Generic[R]):
     def tokens(self, decode: bool) -> int:
         return sum(len(i.token_ids) for i in self.batch if i.is_decode == decode)
 
-    def pairs(self, decode: bool | None = None) -> int:
-        """Attention pairs of the items so far (of decodes or prefills only, when `decode` says which)."""
-        return sum(i.num_pairs for i in self.batch if decode is None or i.is_decode == decode)
+    def pairs(self, decode: bool) -> int:
+        return sum(i.num_pairs for i in self.batch if i.is_decode == decode)
 
 
 @dataclass
@@ -268,7 +269,7 @@ class Scheduler(Generic[R]):
             if not plan.open(req):
                 continue
             num_tokens = self.max_num_batched_tokens - plan.tokens_left
-            room = self.step_budget.room(num_tokens, bound, plan.tokens_left, plan.pairs(), req.seq.num_computed)
+            room = self.step_budget.room(num_tokens, bound, plan.tokens_left, plan.num_pairs, req.seq.num_computed)
             if room > 0 and not self._place(plan, req, room, idle_seqs):
                 return
 
@@ -325,11 +326,12 @@ class Scheduler(Generic[R]):
             if num_chunk <= 0:
                 return None
             run_ids, is_final = seq.token_ids[start: start + num_chunk], False
-            req.chunked = req.chunked or not decode      # a decode split by a full step stays a decode
         if not self._reserve(req, len(run_ids), batch, idle_seqs):
             if not batch and self._holds_only_itself(req):
                 raise EngineError("RESOURCE_EXHAUSTED", "the sequence does not fit in the KV cache")
             raise _Blocked
+        if not is_final and not decode:              # a decode split by a full step stays a decode
+            req.chunked = True
         return ScheduledItem(req, start, run_ids, is_final, decode)
 
     def _align_kv(self, seq: SeqState) -> None:

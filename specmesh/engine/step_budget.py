@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from specmesh.engine.step_cost import attention_pairs
 
 Cost = Callable[[int], float | None]     # seconds of a step of n tokens, apart from attention (None: not measured)
-PairCost = Callable[[], float]           # seconds one attention pair adds to a step (step_cost.py)
+PairCost = Callable[[int], float]        # seconds one attention pair adds to a step of n tokens (step_cost.py)
 
 
 def check_step_budget(factor: float, min_prefill_tokens: int) -> None:
@@ -61,7 +61,7 @@ class StepBudget:
         base = self.cost(num_tokens) if self.cost is not None else None
         if base is None:
             return None
-        return base + (self.pair_cost() * num_pairs if self.pair_cost is not None else 0.0)
+        return base + (self.pair_cost(num_tokens) * num_pairs if self.pair_cost is not None else 0.0)
 
     def bound(self, num_decode_tokens: int, streams_waiting: bool, num_decode_pairs: int = 0,
               prefill_pos: int = 0) -> float | None:
