@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specmesh.engine.block_manager import BlockManager
-from specmesh.engine.scheduler import ForwardRequest, Scheduler, SeqState
+from specmesh.engine.scheduled import ForwardRequest, SeqState
+from specmesh.engine.scheduler import Scheduler
 from specmesh.engine.step_budget import StepBudget
 from specmesh.engine.step_cost import StepCost
 

@@ -49,7 +49,7 @@ from specmesh.engine.build import build_engine_parts
 from specmesh.engine.loop import EngineError
 from specmesh.engine.model_runner import kv_cache_geometry
 from specmesh.engine.paged_attention import ATTN_IMPLEMENTATION
-from specmesh.engine.scheduler import ForwardRequest, SeqState
+from specmesh.engine.scheduled import ForwardRequest, SeqState
 from specmesh.ops.launcher import PRESETS
 
 BARE_ATTENTION = "specmesh_bare"

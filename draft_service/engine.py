@@ -36,7 +36,7 @@ from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.guesses import GuessRate, best_num_guesses, guess
 from specmesh.engine.loop import Completion, EngineError
 from specmesh.engine.model_runner import ModelRunner
-from specmesh.engine.scheduler import ForwardRequest, SeqState
+from specmesh.engine.scheduled import ForwardRequest, SeqState
 from specmesh.spec.logit_transforms import adjust_chain
 from specmesh.spec.rejection import SparseDist
 from specmesh.spec.sampling import SamplingParams, logits_to_probs, make_generator, sample_sparse, sparsify

@@ -188,7 +188,7 @@ def test_rowwise_attention_is_the_same_on_1_and_2_threads(kernel: bool, monkeypa
 def test_thread_policy_uses_more_threads_for_big_steps() -> None:
     from specmesh.engine.batched import BatchedEngine
     from specmesh.engine.block_manager import BlockManager
-    from specmesh.engine.scheduler import ForwardRequest, SeqState
+    from specmesh.engine.scheduled import ForwardRequest, SeqState
 
     class Engine(BatchedEngine):
         sessions: dict = {}

@@ -9,7 +9,8 @@ import pytest
 from specmesh.config import EngineConfig
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.prefill_wait import PrefillClock
-from specmesh.engine.scheduler import ForwardRequest, ScheduledItem, Scheduler, SeqState
+from specmesh.engine.scheduled import ForwardRequest, ScheduledItem, SeqState
+from specmesh.engine.scheduler import Scheduler
 from specmesh.engine.step_budget import StepBudget, check_step_budget
 from specmesh.engine.step_cost import StepCost, attention_pairs
 from tests.test_scheduler import new_seq, no_idle, run_forward, verify_request

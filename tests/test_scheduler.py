@@ -8,7 +8,8 @@ import pytest
 
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.errors import EngineError
-from specmesh.engine.scheduler import ForwardRequest, ScheduledItem, Scheduler, SeqState
+from specmesh.engine.scheduled import ForwardRequest, ScheduledItem, SeqState
+from specmesh.engine.scheduler import Scheduler
 
 
 def make_scheduler(budget: int = 16, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8) -> Scheduler:

@@ -12,7 +12,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.errors import EngineError
-from specmesh.engine.scheduler import ForwardRequest, ScheduledItem, Scheduler, SeqState
+from specmesh.engine.scheduled import ForwardRequest, ScheduledItem, SeqState
+from specmesh.engine.scheduler import Scheduler
 from specmesh.engine.step_budget import StepBudget
 
 MAX_MODEL_LEN = 48

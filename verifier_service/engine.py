@@ -32,7 +32,7 @@ from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.forward_cost import Fit
 from specmesh.engine.loop import Completion, EngineError
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
-from specmesh.engine.scheduler import ScheduledItem, SeqState
+from specmesh.engine.scheduled import ScheduledItem, SeqState
 from specmesh.spec.rejection import SparseDist
 from specmesh.spec.sampling import SamplingParams, make_generator
 from specmesh.spec.tree import keep_shallow

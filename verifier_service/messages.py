@@ -9,7 +9,7 @@ from typing import Protocol
 from opentelemetry.trace import SpanContext
 
 from specmesh.engine.loop import Completion
-from specmesh.engine.scheduler import ForwardRequest
+from specmesh.engine.scheduled import ForwardRequest
 from specmesh.spec.rejection import SparseDist
 from specmesh.spec.sampling import SamplingParams
 from verifier_service.forward_share import VerifyResult

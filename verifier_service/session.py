@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specmesh.engine.guesses import GuessRate
-from specmesh.engine.scheduler import SeqState
+from specmesh.engine.scheduled import SeqState
 from specmesh.spec.sampling import SamplingParams
 
 

@@ -20,15 +20,8 @@ from specmesh.engine.forward_cost import ForwardCost
 from specmesh.engine.loop import EngineError, EngineThread
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
 from specmesh.engine.prefill_wait import PrefillClock
-from specmesh.engine.scheduler import (
-    ForwardRequest,
-    R,
-    ScheduledItem,
-    Scheduler,
-    SeqState,
-    batch_composition,
-    num_context_tokens,
-)
+from specmesh.engine.scheduled import ForwardRequest, R, ScheduledItem, SeqState, batch_composition, num_context_tokens
+from specmesh.engine.scheduler import Scheduler
 from specmesh.engine.step_budget import StepBudget, check_step_budget
 from specmesh.engine.step_cost import StepCost
 from specmesh.telemetry.engine_step import forward_span

@@ -3,7 +3,7 @@
 The engine runs on its own thread and one forward serves many requests, so its span cannot be a child of all of
 them: it starts its own trace and carries a LINK to the span of every request it served (the span that was
 current when the request's work item was submitted, see `Completion.span_context`). The engine hands over plain
-counts (`specmesh.engine.scheduler.batch_composition`): telemetry never imports the engine.
+counts (`specmesh.engine.scheduled.batch_composition`): telemetry never imports the engine.
 """
 
 from __future__ import annotations
