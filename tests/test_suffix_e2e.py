@@ -129,10 +129,13 @@ async def test_own_context_drafts_without_a_draft_service(stack) -> None:
 
 async def test_tree_drafts_keep_greedy_output(stack) -> None:
     """Suffix branches and model + suffix trees through the verifier's tree verification: the output stays exact,
-    and a repeated prompt is drafted from the store (branches beside the right path cost nothing)."""
+    and a repeated prompt's store drafts are its exact output. How many rounds the store drafts is the choice's
+    (gateway/suffix_choice.py): the tiny model verifies in milliseconds, so a lookup slowed by the engine threads'
+    GIL can cost more than its tokens save, and then the store drafts only the probe rounds."""
     for prompt in [*REPETITIVE, "How do I reset my password?"]:
         ids, _ = await generate(stack["tree"].addr, prompt)
         assert ids == expected(stack, prompt)
     ids, responses = await generate(stack["tree"].addr, "How do I reset my password?")
     assert ids == expected(stack, "How do I reset my password?")
-    assert sum(r.num_accepted for r in rounds(responses, SHARED)) >= MAX_NEW // 2
+    shared = rounds(responses, SHARED)
+    assert shared and all(r.num_accepted == r.num_drafted for r in shared)
