@@ -140,8 +140,8 @@ class DraftConfig:
     draft_ahead: bool = True           # keep drafting the next block while the verifier works
     guesses: bool = True               # greedy draft forwards carry prompt-lookup guesses (specmesh/engine/guesses.py)
     head_vocab: int = 0                # > 0: draft only from the first N token ids (+ special tokens); 0 = all
-    max_catch_up_tokens: int = 128     # a session's Propose bringing up to this many tokens verified since its last
-                                       # one is decode work, run before prompts (0 = one KV block)
+    max_catch_up_tokens: int = 512     # a session's Propose bringing up to this many tokens verified since its last
+                                       # one is decode work, run before prompts, whole (0 = one KV block)
     session_lease_s: float = 60.0      # no call for this long: the session is ended and its KV freed (> draft timeout)
     limits: InputLimits = InputLimits()
     telemetry: TelemetryConfig = TelemetryConfig()

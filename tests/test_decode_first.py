@@ -367,3 +367,27 @@ def test_a_chunk_late_in_a_long_prompt_is_shorter_and_every_step_keeps_its_bound
             chunks.append(len(chunk[0].token_ids))
         run_forward(scheduler, batch)
     assert chunks[-1] < chunks[0] / 2
+
+
+@pytest.mark.parametrize("max_decode_tokens, expect_steps", [(128, 17), (512, 1)])
+def test_a_long_catch_up_beside_an_idle_session_runs_whole(max_decode_tokens: int, expect_steps: int) -> None:
+    """The draft service beside a long prompt whose own draft prefill is done (its session idle, waiting for the
+    verifier): a suffix-drafted stream's Propose brings 200 tokens verified since its last model round. Beyond the
+    decode limit it is chunked like a prompt and every chunk is sized for the idle session's next request (2x a
+    one-token step): a few tokens a step, the 1.7-2.6 s draft stalls traced on the real pair at the old limit of
+    128. Within the limit (the default, 512) it runs whole in the next step."""
+    scheduler = make(budget=512, num_blocks=512, step_budget=StepBudget(linear_cost, factor=2.0, min_prefill_tokens=4))
+    scheduler.max_decode_tokens = max_decode_tokens
+    stream, idle = decoding(scheduler, 0), decoding(scheduler, 1)
+    stream.token_ids += list(range(500, 700))
+    stream.num_verified = len(stream.token_ids)
+    catch_up = verify_request(stream, 0)
+    scheduler.enqueue(catch_up)
+    steps = 0
+    while len(scheduler):
+        batch, _ = scheduler.schedule(lambda: [idle])
+        run_forward(scheduler, batch)
+        steps += 1
+        assert steps <= 100
+    assert steps == expect_steps                 # 2 x 0.11 s fits 12 tokens a step: 200 tokens take 17 steps
+    assert catch_up.chunked == (max_decode_tokens < 200)
