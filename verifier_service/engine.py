@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -40,6 +41,7 @@ from specmesh.telemetry.metrics import StatsCollector
 from verifier_service.ahead import match_ahead
 from verifier_service.decode_ahead import DecodeAhead
 from verifier_service.forward_share import ForwardShare, VerifyResult
+from verifier_service.gather import ReturnGather
 from verifier_service.messages import AHEAD_STEP, NO_CALLER, Caller, Drafts, End, Start, Verify, VerifyRequest
 from verifier_service.session import Session
 from verifier_service.verdicts import chain_verdict, greedy_rows, tree_verdict
@@ -65,6 +67,7 @@ class VerifierEngine(BatchedEngine[VerifyRequest]):
         self.max_num_sessions = max_num_seqs * 4
         self.sessions: dict[str, Session] = {}
         self.share = ForwardShare()    # each answer says what the other sessions had of its forward
+        self.gather = ReturnGather()   # waits a moment for the sessions a forward answered (streams share forwards)
         self.draining = False          # set on shutdown: running sessions finish, new ones are refused
         self._seq_ids = itertools.count()
 
@@ -149,6 +152,7 @@ class VerifierEngine(BatchedEngine[VerifyRequest]):
             raise EngineError("NOT_FOUND", f"unknown session {msg.session_id}")
         if session.busy:
             raise EngineError("FAILED_PRECONDITION", f"session {msg.session_id} already has a verify in flight")
+        self.gather.returned(msg.session_id, msg.done.submitted_at)
         self.scheduler.check_fits(len(msg.draft_ids) + 1)     # refused alike whether or not it needs a forward
         session.drafting = bool(msg.draft_ids)
         ahead_ids = session.seq.token_ids[session.num_delivered:]
@@ -192,6 +196,7 @@ class VerifierEngine(BatchedEngine[VerifyRequest]):
         session.busy = True
 
     def _close(self, session_id: str, exc: EngineError) -> None:
+        self.gather.forget(session_id)
         session = self.sessions.pop(session_id, None)
         if session is None:
             return
@@ -288,6 +293,13 @@ class VerifierEngine(BatchedEngine[VerifyRequest]):
             super().finish_batch(requests, logits)
         finally:                             # the answers go out with what the other sessions had of the forward
             self.share.release(self.num_batch_tokens)
+            ended = time.monotonic()
+            answered = [r.session.session_id for r in requests if not r.drafts.is_ahead_step]
+            self.gather.forward_done(answered, ended - self.forward_s, ended)
+
+    def gather_wait_s(self) -> float:
+        """With work queued, a moment for the sessions the last forward answered to join it (gather.py)."""
+        return self.gather.wait_s(time.monotonic()) if self.scheduler.num_waiting else 0.0
 
     def _commit(self, session: Session, emitted: list[int], num_accepted: int) -> None:
         """KV now holds every verified token plus the accepted drafts; the new target token has none yet."""

@@ -82,6 +82,10 @@ class EngineThread:
     def step(self) -> None:
         raise NotImplementedError
 
+    def gather_wait_s(self) -> float:
+        """Seconds to wait for more work before the next step (work expected any moment that should share it)."""
+        return 0.0
+
     def fail_all(self, exc: BaseException) -> None:
         """Fail every pending item (last resort after a crash that escaped step())."""
         raise NotImplementedError
@@ -95,6 +99,10 @@ class EngineThread:
                 message = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _handle_safely_or_stop(self, message: Any) -> None:
+        if message is not None:           # None: stop() woke the thread
+            self._handle_safely(message)
 
     def _handle_safely(self, message: Any) -> None:
         """Subclasses answer their own messages' errors; anything that still escapes is logged, never fatal."""
@@ -111,6 +119,11 @@ class EngineThread:
             with contextlib.suppress(queue.Empty):
                 self._drain(block=not self.has_work())
             if self._stopped.is_set() or not self.has_work():
+                continue
+            wait_s = self.gather_wait_s()
+            if wait_s > 0:                # the next message, or the wait's end: then decide again
+                with contextlib.suppress(queue.Empty):
+                    self._handle_safely_or_stop(self._inbox.get(timeout=wait_s))
                 continue
             try:
                 self.step()
