@@ -35,6 +35,8 @@ def test_guesses_are_priced_like_a_draft_length() -> None:
     assert best_num_guesses(0.1, avx2, 4, 7) == 0             # unless other sessions' tokens filled it
     assert best_num_guesses(0.9, vnni, 1, 2) == 2             # never past the room the caller leaves
     assert best_num_guesses(0.9, Fit(0.0, 2, 1.0), 1, 20) == MAX_GUESSES
+    assert best_num_guesses(0.5, vnni, 8, 7) == 0             # beside 7 other rows: 8.5 tokens for 1.08x the forward
+    assert best_num_guesses(0.9, vnni, 8, 7) >= 1             # a guess that nearly always hits still pays
 
 
 def test_the_guess_rate_follows_the_session_and_recovers() -> None:

@@ -12,8 +12,12 @@ output is exactly one-token-at-a-time greedy's. Two engines use them: the verifi
 
 How many guesses a forward carries is priced like a draft length: with a the guesses' acceptance rate (each one
 given the ones before it, `GuessRate`, per session) and t(n) = 1 + token_cost * max(0, n - F) the forward's cost in
-one-token forwards (the engine's own measure, `specmesh/engine/forward_cost.py`), g guesses yield
-1 + a + ... + a^g tokens for t(rows + g) / t(rows); the engine takes the g with the most tokens per cost.
+one-token forwards (the engine's own measure, `specmesh/engine/forward_cost.py`), g guesses beside `rows` rows
+(one token each) make the forward yield rows + a + ... + a^g tokens for t(rows + g) / t(rows) its cost; the engine
+takes the g with the most tokens per cost. Beside other sessions' rows a guess must be likelier: a forward of 8
+one-token rows on a compute-bound core (token_cost 0.2) takes one only at a > 0.67, where priced against this
+session's one token alone it took any with a > 0.08 (ahead steps of 8 streams carried ~2 guess rows each, ~10% of
+the verifier's time).
 Until the cost is measured, an extra row is priced at a quarter of a forward (`PRIOR_FIT`): the guesses' own forwards
 then give the measure its spread in size.
 """
@@ -58,7 +62,7 @@ class GuessRate:
 
 def best_num_guesses(rate: float, fit: Fit, num_rows: int, max_guesses: int) -> int:
     """The g <= max_guesses with the most expected tokens per cost when the forward already runs num_rows tokens
-    (this session's pending token included)."""
+    (this session's pending token included), each worth a token."""
     if max_guesses <= 0:
         return 0
     if fit == UNKNOWN:
@@ -69,7 +73,7 @@ def best_num_guesses(rate: float, fit: Fit, num_rows: int, max_guesses: int) -> 
 
     best, best_value = 0, 1.0
     for g in range(1, min(max_guesses, MAX_GUESSES) + 1):
-        value = sum(rate ** i for i in range(g + 1)) * cost(num_rows) / cost(num_rows + g)
+        value = (num_rows + sum(rate ** i for i in range(1, g + 1))) / num_rows * cost(num_rows) / cost(num_rows + g)
         if value > best_value + 1e-9:
             best, best_value = g, value
     return best
