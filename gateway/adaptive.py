@@ -115,7 +115,7 @@ def expected_tokens(position_acceptance: list[float], k: int) -> float:
 class ControllerMemory:
     """What a controller has learned, as its decayed sums: a finished request's, or several blended
     (gateway/learned_priors.py). `rounds` is the decayed number of rounds behind them (the verify line's weight).
-    rtt_s and token_cost are estimates, not sums: blending keeps the newest known one."""
+    rtt_s, token_cost and load are estimates, not sums: blending keeps the newest known one."""
     succ: tuple[float, ...]
     fail: tuple[float, ...]
     draft_time: float
@@ -126,6 +126,7 @@ class ControllerMemory:
     alt_nodes: float
     alt_hits: float
     free_tokens: int = 1                                 # the verify sums' x = tokens beyond these (verify_cost.py)
+    load: tuple[float, float] | None = None              # other sessions' rows and tokens per forward, smoothed
 
     @property
     def rounds(self) -> float:
@@ -147,7 +148,8 @@ class ControllerMemory:
             add(self.succ, newer.succ), add(self.fail, newer.fail), self.draft_time + newer.draft_time,
             self.draft_tokens + newer.draft_tokens, add(self.verify, newer.verify),   # type: ignore[arg-type]
             newer.rtt_s if newer.rtt_s is not None else self.rtt_s, newer.token_cost or self.token_cost,
-            self.alt_nodes + newer.alt_nodes, self.alt_hits + newer.alt_hits, newer.free_tokens)
+            self.alt_nodes + newer.alt_nodes, self.alt_hits + newer.alt_hits, newer.free_tokens,
+            newer.load if newer.load is not None else self.load)
 
 
 class DraftLengthController:
@@ -375,7 +377,8 @@ class DraftLengthController:
         line = self._verify.points
         return ControllerMemory(tuple(self._succ), tuple(self._fail), self._draft_time, self._draft_tokens,
                                 (line.w, line.sx, line.sxx, line.st, line.sxt), self._rtt,
-                                self._verify.measured_slope, self._alt_nodes, self._alt_hits, self._verify.free_tokens)
+                                self._verify.measured_slope, self._alt_nodes, self._alt_hits, self._verify.free_tokens,
+                                self.load if self._load_seen else None)
 
     def remember(self, memory: ControllerMemory, max_rounds: float) -> None:
         """Start from what earlier requests learned, worth at most `max_rounds` rounds of evidence (a new request's
@@ -394,4 +397,6 @@ class DraftLengthController:
         self._verify.free_tokens = m.free_tokens
         self._rtt = m.rtt_s
         self._alt_nodes, self._alt_hits = m.alt_nodes, m.alt_hits
+        if m.load is not None:                 # the load the last requests saw, until this one's own reports
+            self.observe_load(*m.load)
         self.k = min(max(self.best_k(), self.min_k, 1 if self.max_k > 0 else 0), self.max_k)
