@@ -90,8 +90,9 @@ class EngineThread:
         """Fail every pending item (last resort after a crash that escaped step())."""
         raise NotImplementedError
 
-    def _drain(self, block: bool) -> None:
-        message = self._inbox.get() if block else self._inbox.get_nowait()
+    def _drain(self, block: bool, timeout: float | None = None) -> None:
+        """Handles the inbox's messages; block: waits for the first (up to `timeout`, then queue.Empty)."""
+        message = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
         while True:
             if message is not None:
                 self._handle_safely(message)
@@ -99,10 +100,6 @@ class EngineThread:
                 message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-
-    def _handle_safely_or_stop(self, message: Any) -> None:
-        if message is not None:           # None: stop() woke the thread
-            self._handle_safely(message)
 
     def _handle_safely(self, message: Any) -> None:
         """Subclasses answer their own messages' errors; anything that still escapes is logged, never fatal."""
@@ -123,7 +120,7 @@ class EngineThread:
             wait_s = self.gather_wait_s()
             if wait_s > 0:                # the next message, or the wait's end: then decide again
                 with contextlib.suppress(queue.Empty):
-                    self._handle_safely_or_stop(self._inbox.get(timeout=wait_s))
+                    self._drain(block=True, timeout=wait_s)
                 continue
             try:
                 self.step()
