@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeVar
 
-from gateway.adaptive import ControllerMemory
+from gateway.controller_memory import ControllerMemory
 from gateway.proposers.cost_model import CostModelMemory, RoundCostModel
 from gateway.suffix_choice import ChoiceMemory
 

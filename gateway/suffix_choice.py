@@ -36,7 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gateway.adaptive import ControllerMemory, DraftLengthController, expected_tokens
+from gateway.adaptive import DraftLengthController, expected_tokens
+from gateway.controller_memory import ControllerMemory
 from gateway.suffix_tree import Proposal
 from gateway.verify_cost import UNKNOWN_COST, VerifyCost, excess_tokens
 

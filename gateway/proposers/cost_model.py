@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.adaptive import ControllerMemory, DraftLengthController
+from gateway.adaptive import DraftLengthController
+from gateway.controller_memory import ControllerMemory
 from gateway.draft_tree import main_chain_len
 from gateway.proposers.base import NO_DRAFT, Draft
 from gateway.request_state import RoundEvent
