@@ -337,8 +337,7 @@ class DraftLengthController:
         line = self._verify.points
         return ControllerMemory(tuple(self._succ), tuple(self._fail), self._draft_time, self._draft_tokens,
                                 (line.w, line.sx, line.sxx, line.st, line.sxt), self._rtt,
-                                self._verify.measured_slope, self._alt_nodes, self._alt_hits, self._verify.free_tokens,
-                                self.load if self._load_seen else None)
+                                self._verify.measured_slope, self._alt_nodes, self._alt_hits, self._verify.free_tokens)
 
     def remember(self, memory: ControllerMemory, max_rounds: float) -> None:
         """Start from what earlier requests learned, worth at most `max_rounds` rounds of evidence (a new request's
@@ -357,6 +356,4 @@ class DraftLengthController:
         self._verify.free_tokens = m.free_tokens
         self._rtt = m.rtt_s
         self._alt_nodes, self._alt_hits = m.alt_nodes, m.alt_hits
-        if m.load is not None:                 # the load the last requests saw, until this one's own reports
-            self.observe_load(*m.load)
         self.k = min(max(self.best_k(), self.min_k, 1 if self.max_k > 0 else 0), self.max_k)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 class ControllerMemory:
     """What a controller has learned, as its decayed sums: a finished request's, or several blended
     (gateway/learned_priors.py). `rounds` is the decayed number of rounds behind them (the verify line's weight).
-    rtt_s, token_cost and load are estimates, not sums: blending keeps the newest known one."""
+    rtt_s and token_cost are estimates, not sums: blending keeps the newest known one."""
     succ: tuple[float, ...]
     fail: tuple[float, ...]
     draft_time: float
@@ -21,7 +21,6 @@ class ControllerMemory:
     alt_nodes: float
     alt_hits: float
     free_tokens: int = 1                                 # the verify sums' x = tokens beyond these (verify_cost.py)
-    load: tuple[float, float] | None = None              # other sessions' rows and tokens per forward, smoothed
 
     @property
     def rounds(self) -> float:
@@ -43,5 +42,4 @@ class ControllerMemory:
             add(self.succ, newer.succ), add(self.fail, newer.fail), self.draft_time + newer.draft_time,
             self.draft_tokens + newer.draft_tokens, add(self.verify, newer.verify),   # type: ignore[arg-type]
             newer.rtt_s if newer.rtt_s is not None else self.rtt_s, newer.token_cost or self.token_cost,
-            self.alt_nodes + newer.alt_nodes, self.alt_hits + newer.alt_hits, newer.free_tokens,
-            newer.load if newer.load is not None else self.load)
+            self.alt_nodes + newer.alt_nodes, self.alt_hits + newer.alt_hits, newer.free_tokens)

@@ -26,9 +26,6 @@ model round can cost five target-only rounds: probing it every 16 rounds cost a 
 draft model is chosen over target-only until `MODEL_TRIALS` of its rounds of this request were verified: its
 acceptance differs most between requests (chat ~0.4, code ~0.9), and estimates a request starts from
 (gateway/learned_priors.py, or one slow first round) would otherwise keep it from being measured on this request.
-Neither a probe nor a trial is made when even drafts accepted at BEST_CASE_ACCEPTANCE could not beat target-only
-(`could_pay`): under load, the other sessions' lost tokens decide that whatever the round would find (16 streams
-of the real pair: the trials and probes were 60 model rounds of 16 requests, 0.85x target-only's throughput).
 """
 
 from __future__ import annotations
@@ -47,8 +44,7 @@ VERIFY_SLOPE = 0.1           # extra verify time per drafted token, relative to 
 PRIOR_VERIFY_S = 0.15        # before any verify was measured (a CPU verify of the real pair: ~150-215 ms)
 PROBE_EVERY = 16             # rounds a drafting proposer may go unchosen before it gets one round
 PROBE_BUDGET = 0.1           # ... at least: its extra round time over the best's, per best-round time spent since
-MODEL_TRIALS = 2             # verified model rounds every request gets, whatever the estimates (if they could pay)
-BEST_CASE_ACCEPTANCE = 0.9   # per drafted token: the most a trial or a probe is assumed to find
+MODEL_TRIALS = 2             # verified model rounds every request gets, whatever the estimates
 MAX_MODEL_K = 64
 MAX_DEPTH = 32               # suffix calibration per depth up to here (deeper nodes share the last)
 DEPTH_SHRINK = 2.0           # pseudo-observations pulling a depth's calibration toward the pooled one
@@ -182,23 +178,12 @@ class ProposerChoice:
         best = max(options, key=lambda p: self.rate(p, *options[p]))
         best_s = self.round_s(best, options[best][1])
         starved = [p for p in drafting if p != best and self._unchosen[p] > PROBE_EVERY
-                   and self._unchosen[p] * best_s * PROBE_BUDGET >= self.round_s(p, options[p][1]) - best_s
-                   and self.could_pay(options[p][1])]
+                   and self._unchosen[p] * best_s * PROBE_BUDGET >= self.round_s(p, options[p][1]) - best_s]
         best = starved[0] if starved else best
-        if best == NONE and MODEL in options and self._model_rounds < MODEL_TRIALS \
-                and self.could_pay(options[MODEL][1]):
+        if best == NONE and MODEL in options and self._model_rounds < MODEL_TRIALS:
             best = MODEL
         self._unchosen[best] = 0
         return best
-
-    def could_pay(self, num_tokens: int) -> bool:
-        """Whether verifying `num_tokens` drafts could beat target-only if each draft were accepted with
-        BEST_CASE_ACCEPTANCE and cost nothing to make (a proposer's own cost is what probes re-measure). Under load,
-        what the rows take from the other sessions in the forward (P) can rule drafting out whatever it would find
-        (16 streams on a compute-bound CPU: P(4) ~ 3.9 tokens): then a trial or a probe only costs."""
-        best_case = sum(BEST_CASE_ACCEPTANCE ** i for i in range(1, num_tokens + 1))
-        drafted = (1.0 + best_case - self.load.load_penalty(num_tokens)) / max(self.verify_s(num_tokens), 1e-6)
-        return drafted > (1.0 - self.load.load_penalty(0)) / max(self.verify_s(0), 1e-6)
 
     # ------------------------------------------------------------------ observations
     def observe_cost(self, proposer: str, seconds: float) -> None:
