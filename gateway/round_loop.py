@@ -109,6 +109,9 @@ class Generation:
                 else asyncio.sleep(0))
             span.set_attribute("specmesh.prefill.cached_tokens", start.num_cached_prompt_tokens)
         self.state.num_cached_prompt_tokens = start.num_cached_prompt_tokens
+        if self.cost_model is not None:
+            self.cost_model.observe_start(reported(start.token_cost, start.free_tokens, start.num_batch_tokens,
+                                                   start.num_other_rows, start.num_other_tokens, start.num_waiting))
         first = self.state.on_first_token(start.first_token_id)
         self._start_next_draft()
         yield RoundOutput(0, first, 0, 0, common_pb2.DRAFT_SOURCE_NONE)

@@ -26,6 +26,15 @@ model round can cost five target-only rounds: probing it every 16 rounds cost a 
 draft model is chosen over target-only until `MODEL_TRIALS` of its rounds of this request were verified: its
 acceptance differs most between requests (chat ~0.4, code ~0.9), and estimates a request starts from
 (gateway/learned_priors.py, or one slow first round) would otherwise keep it from being measured on this request.
+
+Under load (P(0) > 0: other sessions share the forward) neither a trial nor a probe is made of a proposer whose
+round could not beat target-only even if every drafted token were accepted at `BEST_CASE_ACCEPTANCE` (`could_pay`,
+the same rate with its measured cost and the load term): there the others' lost tokens and the proposer's own time
+rule it out whatever the round would find (8 streams of the real pair, 2-core Zen 4: the draft model's round took
+~570 ms beside ~160 ms target-only rounds, and the trials were most of its 34 rounds). Alone, a trial is always
+made: a noisy cost measure (a tiny model's milliseconds) must not stop the acceptance from being measured. The
+request's first round knows the load: the verifier reports it with the prefill (StartSessionResponse), and a probe
+counts what its rows take from the others in its budget, as the adaptive draft length's probes do.
 """
 
 from __future__ import annotations
@@ -44,7 +53,9 @@ VERIFY_SLOPE = 0.1           # extra verify time per drafted token, relative to 
 PRIOR_VERIFY_S = 0.15        # before any verify was measured (a CPU verify of the real pair: ~150-215 ms)
 PROBE_EVERY = 16             # rounds a drafting proposer may go unchosen before it gets one round
 PROBE_BUDGET = 0.1           # ... at least: its extra round time over the best's, per best-round time spent since
-MODEL_TRIALS = 2             # verified model rounds every request gets, whatever the estimates
+MODEL_TRIALS = 2             # verified model rounds every request gets, whatever the estimates (under load: if they
+                             # could pay)
+BEST_CASE_ACCEPTANCE = 0.9   # per drafted token: the most a trial or a probe under load is assumed to find
 MAX_MODEL_K = 64
 MAX_DEPTH = 32               # suffix calibration per depth up to here (deeper nodes share the last)
 DEPTH_SHRINK = 2.0           # pseudo-observations pulling a depth's calibration toward the pooled one
@@ -178,12 +189,30 @@ class ProposerChoice:
         best = max(options, key=lambda p: self.rate(p, *options[p]))
         best_s = self.round_s(best, options[best][1])
         starved = [p for p in drafting if p != best and self._unchosen[p] > PROBE_EVERY
-                   and self._unchosen[p] * best_s * PROBE_BUDGET >= self.round_s(p, options[p][1]) - best_s]
+                   and self._unchosen[p] * best_s * PROBE_BUDGET >= self._probe_s(p, options[p][1], best_s)
+                   and self.could_pay(p, options[p][1])]
         best = starved[0] if starved else best
-        if best == NONE and MODEL in options and self._model_rounds < MODEL_TRIALS:
+        if best == NONE and MODEL in options and self._model_rounds < MODEL_TRIALS \
+                and self.could_pay(MODEL, options[MODEL][1]):
             best = MODEL
         self._unchosen[best] = 0
         return best
+
+    def _probe_s(self, proposer: str, num_tokens: int, best_s: float) -> float:
+        """What a probe of `proposer` costs over the best round: its extra time, plus the tokens its rows take from
+        the other sessions in the forward beyond what the best round's take, at the best round's time per round."""
+        taken = self.load.load_penalty(num_tokens) - self.load.load_penalty(0)
+        return self.round_s(proposer, num_tokens) - best_s + max(0.0, taken) * best_s
+
+    def could_pay(self, proposer: str, num_tokens: int) -> bool:
+        """Alone (no other rows in the forward): always. Under load: whether a round of `num_tokens` drafts by
+        `proposer` would beat target-only if each draft were accepted at BEST_CASE_ACCEPTANCE, at the proposer's
+        measured cost (unmeasured: free) and what its rows take from the others (16 streams of the real pair on a
+        compute-bound CPU: P(4) ~ 3.9 tokens, more than a 4-token draft can bring)."""
+        if self.load.load_penalty(0) <= 0:
+            return True
+        best_case = sum(BEST_CASE_ACCEPTANCE ** i for i in range(1, num_tokens + 1))
+        return self.rate(proposer, best_case, num_tokens) > self.rate(NONE, 0.0, 0)
 
     # ------------------------------------------------------------------ observations
     def observe_cost(self, proposer: str, seconds: float) -> None:
@@ -192,13 +221,17 @@ class ProposerChoice:
     def observe_verify(self, num_tokens: int, seconds: float, cost: VerifyCost = UNKNOWN_COST) -> None:
         """A verify of `num_tokens` drafts took `seconds`; cost: what the verifier reported about its forward's cost
         (a token_cost of 0 = not reported: keep the last one)."""
+        self.observe_report(cost)
+        self._rounds = DECAY * self._rounds + 1.0
+        excess = excess_tokens(num_tokens, self.free_tokens)
+        self._verify_base.add(max(0.0, seconds) / (1 + self.verify_slope * excess))
+
+    def observe_report(self, cost: VerifyCost) -> None:
+        """What the verifier said of a forward's cost and load (a verify's, or the prefill's at the start)."""
         self.free_tokens = cost.free_tokens
         if cost.token_cost > 0:
             self.verify_slope = cost.token_cost
         self.model.observe_verify_cost(cost)
-        self._rounds = DECAY * self._rounds + 1.0
-        excess = excess_tokens(num_tokens, self.free_tokens)
-        self._verify_base.add(max(0.0, seconds) / (1 + self.verify_slope * excess))
 
     def observe_suffix(self, proposer: str, proposal: Proposal, accepted_nodes: list[int]) -> None:
         """A verified suffix proposal and the indices of its nodes on the accepted path."""

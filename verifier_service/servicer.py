@@ -67,7 +67,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             raise
         return verifier_pb2.StartSessionResponse(first_token_id=result.token_ids[0], owner_token=token,
                                                  num_cached_prompt_tokens=result.num_cached_prompt_tokens,
-                                                 lease_s=self.leases.lease_s)
+                                                 lease_s=self.leases.lease_s, token_cost=result.cost.token_cost,
+                                                 free_tokens=result.cost.free_tokens,
+                                                 num_batch_tokens=result.num_batch_tokens,
+                                                 num_waiting=result.num_waiting,
+                                                 num_other_rows=result.num_other_rows,
+                                                 num_other_tokens=result.num_other_tokens)
 
     async def Verify(self, request: verifier_pb2.VerifyRequest,
                      context: grpc.aio.ServicerContext) -> verifier_pb2.VerifyResponse:

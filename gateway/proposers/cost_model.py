@@ -132,6 +132,14 @@ class RoundCostModel:
         if self.choice is not None:
             self.choice.observe_cost(proposer, seconds)
 
+    def observe_start(self, cost: VerifyCost) -> None:
+        """What the verifier's prefill forward said of its cost and load (StartSessionResponse): the first round is
+        priced beside the sessions already there, not as if alone."""
+        if self.length is not None:
+            self.length.observe_verify_cost(cost)
+        if self.choice is not None:
+            self.choice.observe_report(cost)
+
     def observe(self, round: RoundObservation) -> None:
         """The one call per verified round."""
         if self.length is not None:

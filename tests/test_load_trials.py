@@ -1,0 +1,98 @@
+"""Exploration that knows the load (issue 27): under load the suffix choice makes no trial or probe of a proposer
+whose round could not beat target-only even at its best (gateway/suffix_choice.py `could_pay`), alone it always
+tries the draft model; and a request's first round is priced with the load the verifier reported with the prefill
+(StartSessionResponse's cost and load fields, gateway/proposers/cost_model.py `observe_start`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from gateway.proposers.cost_model import RoundCostModel
+from gateway.suffix_choice import LOCAL, MODEL, NONE, PROBE_EVERY, ProposerChoice
+from gateway.verify_cost import VerifyCost, reported
+from protos.specmesh.v1 import verifier_pb2, verifier_pb2_grpc
+from tests.stack import start_verifier
+from tests.test_paged_verifier import handle_posted
+
+S = 0.25                       # compute-bound verifier: each row a quarter of a one-row forward more
+
+
+def measured(other_rows: int, model_s: float = 0.3, slope: float = S) -> ProposerChoice:
+    """A choice that verified 30 rounds of one token in 0.1 s beside `other_rows` target-only rows, and whose draft
+    model rounds took `model_s` (the cost a request starts from, learned priors or its own first round)."""
+    choice = ProposerChoice()
+    for _ in range(30):
+        choice.observe_verify(0, 0.1, VerifyCost(slope, 1, other_rows + 1, other_rows, other_rows))
+    choice.observe_cost(MODEL, model_s)
+    return choice
+
+
+def test_alone_the_model_gets_its_trials_whatever_the_measured_cost() -> None:
+    """One stream: the trials measure this request's acceptance, even when a noisy slope (a tiny model's
+    milliseconds: 2.0) makes every draft look dear."""
+    for slope in (S, 2.0):
+        choice = measured(0, slope=slope)
+        options = {MODEL: (choice.expected_model(4), 4)}
+        assert choice.could_pay(MODEL, 4)
+        assert choice.choose(options) == MODEL
+
+
+def test_beside_busy_rows_a_slow_model_gets_no_trial_a_fast_one_does() -> None:
+    """3 target-only rows in every forward: 5 more rows take 2.5 tokens from them, so a model round of 4 drafts
+    costing 0.3 s cannot beat a 0.1 s target-only round even at 0.9 acceptance; at 1 ms it still could."""
+    slow, fast = measured(3), measured(3, model_s=0.001)
+    assert slow.load.load_penalty(0) > 0
+    assert not slow.could_pay(MODEL, 4)
+    assert slow.choose({MODEL: (slow.expected_model(4), 4)}) == NONE
+    assert fast.could_pay(MODEL, 4)
+
+
+def test_under_load_a_proposer_that_could_not_pay_is_not_probed() -> None:
+    """An 8-token suffix proposal expected to bring nothing is probed alone (its extra 0.2 s within the probe budget
+    after 20 rounds), but not in 200 rounds beside 31 busy rows: even its best case takes more from them than it
+    brings (the budget alone, which now counts those tokens, would allow a probe after ~100)."""
+    for other_rows, num_rounds, probed in ((0, 2 * PROBE_EVERY, True), (31, 200, False)):
+        choice = measured(other_rows)
+        choice.observe_cost(LOCAL, 0.0001)
+        picks = [choice.choose({LOCAL: (0.01, 8)}) for _ in range(num_rounds)]
+        assert (LOCAL in picks) == probed, other_rows
+
+
+def test_the_first_round_is_priced_with_the_load_the_prefill_saw() -> None:
+    """Without the prefill's report a request starts as if alone and tries the slow model; with it (15 busy rows
+    beside the prompt's last chunk) it does not."""
+    for start, trial in ((None, MODEL), (VerifyCost(S, 1, 17, 15, 15), NONE)):
+        choice = measured(0)
+        choice.model.observe_load(0.0, 0.0)         # (a fresh request: nothing about the load yet)
+        model = RoundCostModel(None, choice)
+        if start is not None:
+            model.observe_start(start)
+        assert choice.choose({MODEL: (choice.expected_model(4), 4)}) == trial
+
+
+async def test_start_session_reports_the_other_sessions_share_of_the_prefill_forward() -> None:
+    """Over gRPC, two prompts prefilled in one forward: each answer names the other's rows and token, with the
+    forward's measured cost, as a VerifyResponse does."""
+    verifier = await start_verifier()
+    engine = verifier.engine
+    try:
+        engine.stop()                               # freeze the engine thread: both starts share one step
+        async with grpc.aio.insecure_channel(verifier.addr) as channel:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            calls = [asyncio.ensure_future(stub.StartSession(verifier_pb2.StartSessionRequest(
+                session_id=f"load{i}", prompt_token_ids=[1, 2, 3, 4 + i, 5][:3 + 2 * i], max_new_tokens=8)))
+                for i in range(2)]
+            while engine._inbox.qsize() < 2:
+                await asyncio.sleep(0.01)
+            handle_posted(engine, 2)
+            engine.step()
+            first, second = [await c for c in calls]
+        assert (first.num_batch_tokens, first.num_other_rows, first.num_other_tokens) == (8, 5, 1)
+        assert (second.num_batch_tokens, second.num_other_rows, second.num_other_tokens) == (8, 3, 1)
+        cost = reported(first.token_cost, first.free_tokens, first.num_batch_tokens, first.num_other_rows,
+                        first.num_other_tokens, first.num_waiting)
+        assert cost.other_rows >= 5 and cost.free_tokens >= 1
+    finally:
+        await verifier.server.stop(0)
