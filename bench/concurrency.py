@@ -5,7 +5,9 @@
 
 Throughput: the same requests (workload prompts, greedy, ignore_eos, fixed max_new_tokens) run with 1, 2, 4, 8
 in flight at a time, target-only and speculative; aggregate tokens/s = all tokens / wall time of the level. A
-warm-up sends every prompt once first, so every level and arm finds them in the prefix cache alike.
+warm-up sends every prompt once first (speculative, whole answers), so every level and arm finds them in the prefix
+cache alike and the gateway's learned priors hold what a served gateway knows; every request has a tenant of its
+own, so the shared draft store never serves a prompt's earlier answer.
 Every output must equal the target-only output at one stream (batch composition must not change greedy output).
 KV accounting (no stack): see bench/kv_accounting.py. Writes JSON (and a PNG plot) to bench/results/.
 """
@@ -32,6 +34,7 @@ from bench.common import (
     aggregate,
     first_mismatch,
     format_sources,
+    fresh_tenant,
     load_workload,
     log,
     make_request,
@@ -83,7 +86,9 @@ async def run_level(addr: str, prompts: list[Prompt], streams: int, mode: str,
     async def one(prompt: Prompt) -> RequestResult:
         async with gate:
             request = make_request(prompt, args.max_new_tokens, draft, ignore_eos=True)
-            return await timed_request(addr, request, prompt, mode)
+            # A tenant of its own: the shared draft store (scoped per tenant) never hands a request the answer an
+            # earlier level or the warm-up gave the same prompt; the learned priors are the gateway's, shared.
+            return await timed_request(addr, request, prompt, mode, tenant=fresh_tenant())
 
     start = time.perf_counter()
     results = await asyncio.gather(*(one(p) for p in prompts))
@@ -95,8 +100,15 @@ async def run_throughput(addr: str, prompts: list[Prompt], levels: list[int],
     # Every prompt once (not recorded): each level and arm then finds the same prefix cache. Without it the first
     # arm of the first level prefilled cold and every later one warm (16 streams of the real pair: 36 against 61
     # tok/s target-only), and one stream compared a cold target-only run with a warm speculative one.
+    # Whole answers: the warm-up also teaches the gateway's learned priors (learned_priors.py) what a served gateway
+    # knows. With 4-token answers it taught them that every draft of an answer's first words is accepted (the
+    # 8-stream spec arm then started every request from a model acceptance of ~1.0 and drafted at it beside 7 busy
+    # streams); with none, every measured request started from nothing and trusted single-occurrence suffix matches.
+    # At the lowest level's concurrency: the priors also hold verify times, and a warm-up at 16 streams left one
+    # stream's first requests pricing drafts by a loaded verifier's (1 stream: 1.02x after it, 1.27-1.31x after a
+    # one-stream warm-up). The load itself is never a prior: every round reports it.
     log("warm-up (not recorded): every prompt once")
-    await run_level(addr, prompts, max(levels), "spec", argparse.Namespace(**{**vars(args), "max_new_tokens": 4}))
+    await run_level(addr, prompts, min(levels), "spec", args)
     rows = []
     for i, streams in enumerate(levels):
         for mode in (reversed(MODES) if i % 2 else MODES):

@@ -111,7 +111,8 @@ class Generation:
         self.state.num_cached_prompt_tokens = start.num_cached_prompt_tokens
         if self.cost_model is not None:
             self.cost_model.observe_start(reported(start.token_cost, start.free_tokens, start.num_batch_tokens,
-                                                   start.num_other_rows, start.num_other_tokens, start.num_waiting))
+                                                   start.num_other_rows, start.num_other_tokens, start.num_waiting,
+                                                   start.num_sessions))
         first = self.state.on_first_token(start.first_token_id)
         self._start_next_draft()
         yield RoundOutput(0, first, 0, 0, common_pb2.DRAFT_SOURCE_NONE)
@@ -145,7 +146,8 @@ class Generation:
                           time.perf_counter() - drafted, result.num_waiting, result.num_batch_tokens,
                           list(result.accepted_node_indices),
                           reported(result.token_cost, result.free_tokens, result.num_batch_tokens,
-                                   result.num_other_rows, result.num_other_tokens, result.num_waiting))
+                                   result.num_other_rows, result.num_other_tokens, result.num_waiting,
+                                   result.num_sessions))
 
     def _wanted_k(self) -> int:
         fixed = self.params.num_draft_tokens

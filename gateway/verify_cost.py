@@ -30,7 +30,8 @@ drafts cost the others nothing.
 Work still queued when the forward finished (VerifyResponse.num_waiting) waited for all of it, this session's rows
 included: sessions whose verifies alternate between forwards instead of sharing one. Each such item counts as one
 more row beside this session's, worth one token (a target-only row: the least a waiting verify brings), so drafts
-are not free beside a busy verifier's queue (`reported`).
+are not free beside a busy verifier's queue (`reported`). So does every other session the replica holds, and every
+other row is worth at least a token (a prefill chunk's row brings a first token closer): `reported`.
 """
 
 from __future__ import annotations
@@ -50,11 +51,21 @@ class VerifyCost:
 
 
 def reported(token_cost: float, free_tokens: int, forward_rows: int, other_rows: int, other_tokens: int,
-             num_waiting: int) -> VerifyCost:
-    """The cost and load a VerifyResponse reports (free_tokens 0, from an older verifier, reads as 1); queued work
-    counts as other rows (a row and a token per item) when a forward ran."""
-    queued = num_waiting if forward_rows > 0 else 0
-    return VerifyCost(token_cost, max(1, free_tokens), forward_rows, other_rows + queued, other_tokens + queued)
+             num_waiting: int, num_sessions: int = 0) -> VerifyCost:
+    """The cost and load a VerifyResponse reports (free_tokens 0, from an older verifier, reads as 1), when a forward
+    ran (none: no load sample):
+    - queued work counts as other rows (a row and a token per item);
+    - so does every other session the replica holds (`num_sessions`, this one included; 0 = not reported) beyond
+      those: a session away drafting is missing from the forward that verified this block, not from the next ones
+      (the forward's own rows alone made the load look light exactly while the others drafted, inviting more);
+    - every other row counts as work the others need, at least a token's worth: a prompt's chunk brings its first
+      token closer, a draft row its verdict. Priced by emitted tokens alone, a forward of prefill chunks (16 prompts
+      arriving together: 92 other rows, 28 tokens) made drafts beside it look cheap while they delayed every prompt."""
+    if forward_rows <= 0:
+        return VerifyCost(token_cost, max(1, free_tokens), forward_rows, other_rows, other_tokens)
+    others = max(0, num_sessions - 1)
+    rows = max(other_rows + num_waiting, others)
+    return VerifyCost(token_cost, max(1, free_tokens), forward_rows, rows, max(other_tokens + num_waiting, rows))
 
 
 def excess_tokens(num_drafts: int, free_tokens: int) -> int:

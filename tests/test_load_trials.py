@@ -1,7 +1,8 @@
 """Exploration that knows the load (issue 27): under load the suffix choice makes no trial or probe of a proposer
 whose round could not beat target-only even at its best (gateway/suffix_choice.py `could_pay`), alone it always
 tries the draft model; and a request's first round is priced with the load the verifier reported with the prefill
-(StartSessionResponse's cost and load fields, gateway/proposers/cost_model.py `observe_start`)."""
+(StartSessionResponse's cost and load fields, gateway/proposers/cost_model.py `observe_start`); what a report's
+load is (gateway/verify_cost.py `reported`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import grpc
 
 from gateway.proposers.cost_model import RoundCostModel
 from gateway.suffix_choice import LOCAL, MODEL, NONE, PROBE_EVERY, ProposerChoice
-from gateway.verify_cost import VerifyCost, reported
+from gateway.verify_cost import VerifyCost, load_penalty, reported
 from protos.specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 from tests.stack import start_verifier
 from tests.test_paged_verifier import handle_posted
@@ -96,3 +97,14 @@ async def test_start_session_reports_the_other_sessions_share_of_the_prefill_for
         assert cost.other_rows >= 5 and cost.free_tokens >= 1
     finally:
         await verifier.server.stop(0)
+
+
+def test_a_report_counts_every_session_and_every_row_of_the_others() -> None:
+    """The load a verify reports: alone nothing; sessions away drafting still count (a row and a token each); a
+    prompt chunk's rows are work the others need, a token's worth each, so drafts beside prefill are not cheap."""
+    assert reported(0.2, 1, 1, 0, 0, 0, num_sessions=1) == VerifyCost(0.2, 1, 1, 0, 0)
+    assert reported(0.2, 1, 2, 1, 1, 0, num_sessions=8) == VerifyCost(0.2, 1, 2, 7, 7)
+    assert reported(0.2, 1, 0, 0, 0, 0, num_sessions=8) == VerifyCost(0.2, 1, 0, 0, 0)    # no forward: no sample
+    prefill = reported(0.2, 1, 97, 92, 28, 0, num_sessions=16)                          # 16 prompts arriving
+    assert (prefill.other_rows, prefill.other_tokens) == (92, 92)
+    assert load_penalty(4, 92, 92, 0.2, 1) > 3 * load_penalty(4, 92, 28, 0.2, 1)

@@ -72,7 +72,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                                  num_batch_tokens=result.num_batch_tokens,
                                                  num_waiting=result.num_waiting,
                                                  num_other_rows=result.num_other_rows,
-                                                 num_other_tokens=result.num_other_tokens)
+                                                 num_other_tokens=result.num_other_tokens,
+                                                 num_sessions=len(self.engine.sessions))
 
     async def Verify(self, request: verifier_pb2.VerifyRequest,
                      context: grpc.aio.ServicerContext) -> verifier_pb2.VerifyResponse:
