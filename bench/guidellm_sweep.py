@@ -101,8 +101,7 @@ def summary(report: dict[str, Any]) -> list[dict[str, Any]]:
     for bench in report.get("benchmarks", []):
         m = bench["metrics"]
         rows.append({
-            "strategy": bench.get("config", {}).get("strategy", {}).get("type_", "")
-            or bench.get("scheduler", {}).get("strategy", {}).get("type_", ""),
+            "strategy": bench.get("config", {}).get("strategy", {}).get("type_", ""),
             "requests_per_s": _stat(m, "requests_per_second", "mean"),
             "output_tok_s": _stat(m, "output_tokens_per_second", "mean"),
             "ttft_ms_p50": _stat(m, "time_to_first_token_ms", "median"),

@@ -25,7 +25,7 @@ from gateway.request_state import RequestState, RoundEvent
 from gateway.round_spans import end_session_span, prefill_span, record_round, round_span
 from gateway.validation import GenerationParams
 from gateway.verifier_session import OnMove, SessionLost, VerifierSession
-from gateway.verify_cost import reported
+from gateway.verify_cost import reported_by
 from protos.specmesh.v1 import common_pb2, verifier_pb2
 from specmesh.rpc.proto_convert import sparse_dists_to_proto
 
@@ -110,9 +110,7 @@ class Generation:
             span.set_attribute("specmesh.prefill.cached_tokens", start.num_cached_prompt_tokens)
         self.state.num_cached_prompt_tokens = start.num_cached_prompt_tokens
         if self.cost_model is not None:
-            self.cost_model.observe_start(reported(start.token_cost, start.free_tokens, start.num_batch_tokens,
-                                                   start.num_other_rows, start.num_other_tokens, start.num_waiting,
-                                                   start.num_sessions))
+            self.cost_model.observe_start(reported_by(start))
         first = self.state.on_first_token(start.first_token_id)
         self._start_next_draft()
         yield RoundOutput(0, first, 0, 0, common_pb2.DRAFT_SOURCE_NONE)
@@ -145,9 +143,7 @@ class Generation:
         return RoundEvent(round_index, draft, result.num_accepted, list(result.token_ids), drafted - started,
                           time.perf_counter() - drafted, result.num_waiting, result.num_batch_tokens,
                           list(result.accepted_node_indices),
-                          reported(result.token_cost, result.free_tokens, result.num_batch_tokens,
-                                   result.num_other_rows, result.num_other_tokens, result.num_waiting,
-                                   result.num_sessions))
+                          reported_by(result))
 
     def _wanted_k(self) -> int:
         fixed = self.params.num_draft_tokens

@@ -37,6 +37,7 @@ other row is worth at least a token (a prefill chunk's row brings a first token 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from gateway.decayed_line import DecayedLine
 
@@ -66,6 +67,23 @@ def reported(token_cost: float, free_tokens: int, forward_rows: int, other_rows:
     others = max(0, num_sessions - 1)
     rows = max(other_rows + num_waiting, others)
     return VerifyCost(token_cost, max(1, free_tokens), forward_rows, rows, max(other_tokens + num_waiting, rows))
+
+
+class LoadReport(Protocol):
+    """The cost and load fields StartSessionResponse and VerifyResponse share."""
+    token_cost: float
+    free_tokens: int
+    num_batch_tokens: int
+    num_other_rows: int
+    num_other_tokens: int
+    num_waiting: int
+    num_sessions: int
+
+
+def reported_by(response: LoadReport) -> VerifyCost:
+    """`reported` of a StartSessionResponse or a VerifyResponse."""
+    return reported(response.token_cost, response.free_tokens, response.num_batch_tokens, response.num_other_rows,
+                    response.num_other_tokens, response.num_waiting, response.num_sessions)
 
 
 def excess_tokens(num_drafts: int, free_tokens: int) -> int:

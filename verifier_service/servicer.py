@@ -9,6 +9,7 @@ service's reaper task (verifier_service/server.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypedDict
 
 import grpc
 
@@ -23,6 +24,17 @@ from specmesh.spec.tree import check_parents
 from verifier_service.engine import VerifierEngine
 from verifier_service.forward_share import VerifyResult
 from verifier_service.tenant_share import TenantShare
+
+
+class LoadFields(TypedDict):
+    """The cost and load fields StartSessionResponse and VerifyResponse share (gateway/verify_cost.py `reported_by`)."""
+    token_cost: float
+    free_tokens: int
+    num_batch_tokens: int
+    num_waiting: int
+    num_other_rows: int
+    num_other_tokens: int
+    num_sessions: int
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -67,13 +79,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             raise
         return verifier_pb2.StartSessionResponse(first_token_id=result.token_ids[0], owner_token=token,
                                                  num_cached_prompt_tokens=result.num_cached_prompt_tokens,
-                                                 lease_s=self.leases.lease_s, token_cost=result.cost.token_cost,
-                                                 free_tokens=result.cost.free_tokens,
-                                                 num_batch_tokens=result.num_batch_tokens,
-                                                 num_waiting=result.num_waiting,
-                                                 num_other_rows=result.num_other_rows,
-                                                 num_other_tokens=result.num_other_tokens,
-                                                 num_sessions=len(self.engine.sessions))
+                                                 lease_s=self.leases.lease_s, **self._load_fields(result))
 
     async def Verify(self, request: verifier_pb2.VerifyRequest,
                      context: grpc.aio.ServicerContext) -> verifier_pb2.VerifyResponse:
@@ -91,15 +97,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             result: VerifyResult = await self.engine.verify(session_id, draft_ids, dists,
                                                             deadline_of(context), parents).future
         return verifier_pb2.VerifyResponse(num_accepted=result.num_accepted, token_ids=result.token_ids,
-                                           num_batch_tokens=result.num_batch_tokens, num_waiting=result.num_waiting,
                                            accepted_node_indices=result.accepted_node_indices,
-                                           token_cost=result.cost.token_cost,
-                                           free_tokens=result.cost.free_tokens,
-                                           num_other_rows=result.num_other_rows,
-                                           num_other_tokens=result.num_other_tokens,
-                                           num_sessions=len(self.engine.sessions),
+                                           **self._load_fields(result),
                                            num_free_kv_blocks=self.engine.block_manager.num_free_blocks,
                                            draining=self.engine.draining)
+
+    def _load_fields(self, result: VerifyResult) -> LoadFields:
+        """The forward's cost and load, as StartSessionResponse and VerifyResponse both carry them."""
+        return {"token_cost": result.cost.token_cost, "free_tokens": result.cost.free_tokens,
+                "num_batch_tokens": result.num_batch_tokens, "num_waiting": result.num_waiting,
+                "num_other_rows": result.num_other_rows, "num_other_tokens": result.num_other_tokens,
+                "num_sessions": len(self.engine.sessions)}
 
     async def EndSession(self, request: common_pb2.EndSessionRequest,
                          context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:
