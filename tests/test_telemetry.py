@@ -78,12 +78,15 @@ async def generate(addr: str, **kwargs: Any):
     return [r async for r in client.stream(addr, client.make_request(PROMPT, **kwargs), timeout_s=60)]
 
 
-async def spans_after_cleanup(memory: InMemorySpanExporter, num_end_sessions: int = 2) -> list[dict[str, Any]]:
-    """Finished spans once the request's asynchronous EndSession calls have been served."""
+async def spans_after_cleanup(memory: InMemorySpanExporter, num_end_sessions: int = 2,
+                              trace_id: str | None = None) -> list[dict[str, Any]]:
+    """Finished spans once the request's asynchronous EndSession calls have been served (those of `trace_id` when
+    given: work of earlier tests may still be ending in this process, in traces of its own)."""
     for _ in range(200):
         spans = [span_to_dict(s) for s in memory.get_finished_spans()]
-        ends = [s for s in spans if s["name"].endswith("/EndSession") and s["kind"] == "SERVER"]
-        if len(ends) >= num_end_sessions and any(s["name"] == "end_session" for s in spans):
+        mine = [s for s in spans if trace_id is None or s["trace_id"] == trace_id]
+        ends = [s for s in mine if s["name"].endswith("/EndSession") and s["kind"] == "SERVER"]
+        if len(ends) >= num_end_sessions and any(s["name"] == "end_session" for s in mine):
             return spans
         await asyncio.sleep(0.05)
     raise AssertionError("EndSession spans never arrived")
@@ -98,11 +101,16 @@ async def test_one_trace_per_generation_with_every_hop_and_round(stack) -> None:
     memory.clear()
     responses = await generate(stack["gateway"].addr)
     usage = responses[-1].usage
-    spans = await spans_after_cleanup(memory)
-    forwards = [s for s in spans if s["name"].endswith(" forward")]
-    request_spans = [s for s in spans if s not in forwards]
-    # One trace, and the request id the client got is its trace id.
-    assert {s["trace_id"] for s in request_spans} == {responses[0].request_id}
+    request_id = responses[0].request_id
+    spans = await spans_after_cleanup(memory, trace_id=request_id)
+    # The engines' batch spans: each its own trace, linked to the requests it served (this one among them).
+    forwards = [s for s in spans if s["name"].endswith(" forward")
+                and any(link["trace_id"] == request_id for link in s["links"])]
+    # One trace, and the request id the client got is its trace id. Spans of other traces may be work of earlier
+    # tests still ending in this process (the CI runner saw 15 such traces once), so the trace is checked from the
+    # inside: every hop's client and server span, every round, the prefill and the cleanup must all be in it.
+    request_spans = [s for s in spans if s["trace_id"] == request_id]
+    assert not [s for s in request_spans if s["name"].endswith(" forward")]
     ids = by_id(request_spans)
     (root,) = [s for s in request_spans if s["parent_span_id"] is None]
     assert root["name"] == GENERATE and root["kind"] == "SERVER"
@@ -133,6 +141,8 @@ async def test_one_trace_per_generation_with_every_hop_and_round(stack) -> None:
         assert parent["kind"] == "CLIENT" and parent["name"] == server["name"]
     names = Counter(s["name"] for s in clients)
     assert names[VERIFY] == usage.num_rounds
+    assert names["/specmesh.v1.Verifier/EndSession"] == names["/specmesh.v1.Draft/EndSession"] == 1
+    assert [s["parent_span_id"] in ids for s in request_spans if s["name"] == "end_session"] == [True]
     # One Propose per model-drafted round, plus the draft prefill that runs beside the verifier's prefill.
     model_rounds = sum(1 for r in rounds if r["attributes"]["specmesh.round.draft_source"] == "model")
     assert names[PROPOSE] == model_rounds + 1
@@ -144,9 +154,9 @@ async def test_one_trace_per_generation_with_every_hop_and_round(stack) -> None:
     # request they served: here each StartSession / Verify call of this request.
     verify_servers = {s["span_id"] for s in servers if s["name"] in (VERIFY, "/specmesh.v1.Verifier/StartSession")}
     assert {f["name"] for f in forwards} == {"verifier-engine forward"}
-    linked = {link["span_id"] for f in forwards for link in f["links"] if link["trace_id"] == responses[0].request_id}
+    linked = {link["span_id"] for f in forwards for link in f["links"] if link["trace_id"] == request_id}
     assert linked == verify_servers
-    assert all(f["parent_span_id"] is None and f["trace_id"] != responses[0].request_id for f in forwards)
+    assert all(f["parent_span_id"] is None and f["trace_id"] != request_id for f in forwards)
 
 
 async def test_idle_health_probes_make_no_spans_while_a_request_still_makes_its_trace(stack) -> None:
