@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import uuid
+from typing import Any
 
 import grpc
 import pytest
@@ -146,11 +148,18 @@ async def test_random_tree_rounds_reproduce_target_only_greedy(verifier, tokeniz
     await wait_blocks_free(running)
 
 
-async def test_concurrent_trees_and_chains_share_forwards_exactly(verifier, tokenizer) -> None:
+async def test_concurrent_trees_and_chains_share_forwards_exactly(verifier, tokenizer, monkeypatch) -> None:
     """Sessions verifying trees and chains at the same time (one batched forward) each stay exact."""
     running, stub, dtype = verifier
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:4]]
     expected = [await expected_output(stub, dtype, ids, 40) for ids in prompts]
+    runner = running.engine.runner
+    forward_flat = runner.forward_flat
+
+    def slow_forward_flat(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.02)   # the tiny model's forward is faster than a gRPC hop: let the sessions' verifies queue up
+        return forward_flat(*args, **kwargs)
+    monkeypatch.setattr(runner, "forward_flat", slow_forward_flat)
     results = await asyncio.gather(*[tree_rounds(stub, ids, exp, 24, random.Random(i), chains=i % 2 == 1)
                                      for i, (ids, exp) in enumerate(zip(prompts, expected, strict=True))])
     assert [out for out, _, _ in results] == [exp[:24] for exp in expected]
