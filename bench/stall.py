@@ -88,9 +88,12 @@ async def beside(send: Any, doc: TrafficRequest, args: argparse.Namespace, confi
     before = [g for g, _ in stream.gaps()[: max(0, arrived - 1)]]
     window = (sent - stream_sent, done_at - stream_sent)                       # on the stream's clock
     times = [t for t, _ in stream.messages]
-    during = [b - a for a, b in zip(times, times[1:], strict=False) if b > window[0] and a < window[1]]
+    spans = [(a, b) for a, b in zip(times, times[1:], strict=False) if b > window[0] and a < window[1]]
+    during = [b - a for a, b in spans]
+    longest = sorted(spans, key=lambda ab: ab[1] - ab[0])[-5:]       # where they fell: seconds after the prompt
     return {"ttft_s": prompt.ttft_s, "error": prompt.error or stream.error, "median_gap_s": statistics.median(before),
             "longest_gap_s": max(during, default=0.0), "stream_messages_during": len(during),
+            "longest_gaps": [{"after_prompt_s": a - window[0], "gap_s": b - a} for a, b in reversed(longest)],
             "stream_tokens_per_message": stream.completion_tokens / max(1, len(stream.messages))}
 
 
