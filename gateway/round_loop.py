@@ -186,6 +186,8 @@ class Generation:
     async def _move(self, lost: SessionLost) -> RoundOutput:
         """The session again on another replica, prefilled with everything verified; its first token goes on."""
         start = await self.session.move(lost, self.state.context_ids, self.state.remaining, self.state.num_emitted)
+        if self.cost_model is not None:             # the next round is priced beside the new replica's sessions
+            self.cost_model.observe_start(reported_by(start))
         tokens = self.state.on_failover(start.first_token_id)
         self._start_next_draft()
         return RoundOutput(self.state.num_rounds, tokens, 0, 0, common_pb2.DRAFT_SOURCE_NONE)

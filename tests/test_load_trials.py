@@ -11,9 +11,14 @@ import asyncio
 import grpc
 
 from gateway.proposers.cost_model import RoundCostModel
+from gateway.replicas import VerifierPool
+from gateway.round_loop import Generation
 from gateway.suffix_choice import LOCAL, MODEL, NONE, PROBE_EVERY, ProposerChoice
+from gateway.validation import GenerationParams
+from gateway.verifier_session import SessionLost
 from gateway.verify_cost import VerifyCost, load_penalty, reported
 from protos.specmesh.v1 import verifier_pb2, verifier_pb2_grpc
+from specmesh.spec.sampling import SamplingParams
 from tests.stack import start_verifier
 from tests.test_paged_verifier import handle_posted
 
@@ -108,3 +113,21 @@ def test_a_report_counts_every_session_and_every_row_of_the_others() -> None:
     prefill = reported(0.2, 1, 97, 92, 28, 0, num_sessions=16)                          # 16 prompts arriving
     assert (prefill.other_rows, prefill.other_tokens) == (92, 92)
     assert load_penalty(4, 92, 92, 0.2, 1) > 3 * load_penalty(4, 92, 28, 0.2, 1)
+
+
+async def test_a_moved_session_prices_its_next_round_beside_the_new_replicas_sessions() -> None:
+    """A failover's StartSession reports the new replica's load like the first one does: the round after the move
+    is priced beside the 15 rows there, not with what the lost replica last reported."""
+    choice = measured(0)
+    choice.model.observe_load(0.0, 0.0)
+    params = GenerationParams("r", [1, 2, 3], SamplingParams(), 8, (), 4, True)
+    generation = Generation(params, "s", VerifierPool.of_stubs([]), None, 5.0, cost_model=RoundCostModel(None, choice))
+
+    async def move(lost: SessionLost, context_ids: list[int], max_new_tokens: int, num_emitted: int):
+        return verifier_pb2.StartSessionResponse(first_token_id=7, token_cost=S, free_tokens=1, num_batch_tokens=17,
+                                                 num_other_rows=15, num_other_tokens=15, num_sessions=16)
+    generation.session.move = move                   # type: ignore[method-assign]
+    assert choice.choose({MODEL: (choice.expected_model(4), 4)}) == MODEL      # as if alone
+    await generation._move(SessionLost("unavailable", "killed"))
+    assert choice.load.load_penalty(0) > 0
+    assert choice.choose({MODEL: (choice.expected_model(4), 4)}) == NONE
