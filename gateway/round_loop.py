@@ -74,8 +74,9 @@ class Generation:
                  drafter: Drafter | None, verifier_timeout_s: float, trace_context: Context | None = None,
                  cost_model: RoundCostModel | None = None, prefetch: bool = False,
                  overlap: bool = False, eos_token_ids: frozenset[int] = frozenset(), max_failovers: int = 3,
-                 on_move: OnMove | None = None) -> None:
+                 on_move: OnMove | None = None, num_other_requests: int = 0) -> None:
         self.params = params
+        self.num_other_requests = num_other_requests   # the gateway's requests running when this one started
         self.trace_context = trace_context          # the request span: parent of the prefill / round spans
         self.session_id = session_id
         self._on_move = on_move
@@ -88,6 +89,7 @@ class Generation:
         # are streamed), so the draft service learns of a rejection at once and drafts while the client is served.
         self.overlap = overlap
         self._next_draft: _NextDraft | None = None
+        self._draft_prefill: asyncio.Future[None] | None = None   # a prefill sent after the verifier's (see _prefill)
         # budget, output, finish reason, round counters
         self.state = RequestState(params.prompt_ids, params.max_new_tokens, eos_token_ids, params.ignore_eos)
         if cost_model is not None:
@@ -102,15 +104,9 @@ class Generation:
 
     async def rounds(self) -> AsyncIterator[RoundOutput]:
         with prefill_span(self.trace_context, len(self.params.prompt_ids)) as span:
-            # The draft service prefills (and drafts ahead) while the verifier prefills.
-            start, _ = await asyncio.gather(
-                self._start_session(),
-                self.drafter.prefill(self.params.prompt_ids, self.params.num_draft_tokens) if self.drafter
-                else asyncio.sleep(0))
+            start = await self._prefill()
             span.set_attribute("specmesh.prefill.cached_tokens", start.num_cached_prompt_tokens)
         self.state.num_cached_prompt_tokens = start.num_cached_prompt_tokens
-        if self.cost_model is not None:
-            self.cost_model.observe_start(reported_by(start))
         first = self.state.on_first_token(start.first_token_id)
         self._start_next_draft()
         yield RoundOutput(0, first, 0, 0, common_pb2.DRAFT_SOURCE_NONE)
@@ -126,6 +122,41 @@ class Generation:
             self._start_next_draft()
             yield RoundOutput(event.round, tokens, len(event.draft.token_ids), event.num_accepted,
                               event.draft.source)
+
+    async def _prefill(self) -> verifier_pb2.StartSessionResponse:
+        """The verifier's prefill, and the draft service's. With no other request running the draft service prefills
+        (and drafts ahead) beside the verifier. Beside others the verifier's report of its load comes first: the
+        draft service prefills only if a draft model round could pay under that load (`RoundCostModel.
+        model_could_pay`), and then while the first token goes out (the first model round waits for it). A model that
+        could not pay is not chosen under that load, and its prefill only took CPU from the services sharing the host
+        (8 streams of the real pair: ~1.9 s of the draft service's CPU per 16 requests that drafted 10 tokens); if
+        it is chosen later, its first Propose brings the whole context."""
+        drafter, k = self.drafter, self.params.num_draft_tokens
+        if drafter is None or self.cost_model is None or self.cost_model.choice is None or \
+                self.num_other_requests == 0:
+            start, _ = await asyncio.gather(self._start_session(),
+                                            drafter.prefill(self.params.prompt_ids, k) if drafter else asyncio.sleep(0))
+            self._observe_start(start)
+            return start
+        start = await self._start_session()
+        self._observe_start(start)
+        if self.cost_model.model_could_pay(k):
+            self._draft_prefill = asyncio.ensure_future(drafter.prefill(self.params.prompt_ids, k))
+        return start
+
+    def _observe_start(self, start: verifier_pb2.StartSessionResponse) -> None:
+        if self.cost_model is not None:             # the first round is priced beside the sessions already there
+            self.cost_model.observe_start(reported_by(start))
+
+    async def _propose(self, context: list[int], num_tokens: int, room: int) -> Draft:
+        """The drafter's proposal, once a draft prefill sent after the verifier's is done (its failure is left to
+        this round, as an eager prefill's is)."""
+        assert self.drafter is not None
+        if self._draft_prefill is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._draft_prefill)      # a cancelled early draft leaves the prefill running
+            self._draft_prefill = None
+        return await self.drafter.propose(context, num_tokens, room)
 
     async def _round(self, round_index: int) -> RoundEvent:
         """Draft, verify; the round's event (not yet applied to the state)."""
@@ -161,14 +192,14 @@ class Generation:
         if self.drafter is None:
             return wanted, NO_DRAFT
         room = self.state.draft_room()
-        return wanted, await self.drafter.propose(context, min(wanted, room), room)
+        return wanted, await self._propose(context, min(wanted, room), room)
 
     def _start_next_draft(self) -> None:
         if not self.overlap or self.drafter is None or self.state.remaining <= 0 or self.state.finished:
             return
         wanted = self._wanted_k()
         room = self.state.draft_room()
-        task = asyncio.ensure_future(self.drafter.propose(self.state.context_ids, min(wanted, room), room))
+        task = asyncio.ensure_future(self._propose(self.state.context_ids, min(wanted, room), room))
         self._next_draft = _NextDraft(len(self.state.context_ids), wanted, task)
 
     def _verify_request(self, draft: Draft) -> verifier_pb2.VerifyRequest:
@@ -186,8 +217,7 @@ class Generation:
     async def _move(self, lost: SessionLost) -> RoundOutput:
         """The session again on another replica, prefilled with everything verified; its first token goes on."""
         start = await self.session.move(lost, self.state.context_ids, self.state.remaining, self.state.num_emitted)
-        if self.cost_model is not None:             # the next round is priced beside the new replica's sessions
-            self.cost_model.observe_start(reported_by(start))
+        self._observe_start(start)                   # the next round is priced beside the new replica's sessions
         tokens = self.state.on_failover(start.first_token_id)
         self._start_next_draft()
         return RoundOutput(self.state.num_rounds, tokens, 0, 0, common_pb2.DRAFT_SOURCE_NONE)
@@ -208,6 +238,11 @@ class Generation:
             with contextlib.suppress(BaseException):
                 await self._next_draft.task
             self._next_draft = None
+        if self._draft_prefill is not None:         # (ended before its first round)
+            self._draft_prefill.cancel()
+            with contextlib.suppress(BaseException):
+                await self._draft_prefill
+            self._draft_prefill = None
         with end_session_span(self.trace_context):
             calls: list[Awaitable[object]] = [self.session.close()]
             if self.drafter is not None:

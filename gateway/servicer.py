@@ -56,6 +56,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.verifiers = verifiers                  # replicas; placement picks one per session (gateway/placement.py)
         self.draft = draft
         self._cleanups: set[asyncio.Task[None]] = set()
+        self._num_running = 0             # requests past admission and not yet ended (their generations' load hint)
         self.outcomes = RoundOutcomes()             # how model-drafted rounds ended (gateway-wide counters)
         self.priors = LearnedPriors() if config.learned_priors else None   # what ended requests measured
         self.quotas = TenantQuotas.from_config(config)  # per-tenant streams and queued tokens (keys file)
@@ -90,12 +91,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         ticket = await admit_or_abort(self.quotas, self.metrics, tenant, params, context, telemetry)   # fair share
         telemetry.started(params)
         generation = self._new_generation(params, context, telemetry.context)
+        generation.num_other_requests = self._num_running
         generation.session.tenant = tenant               # the verifier keeps a share for tenants holding nothing
         keepalive = SessionKeepAlive(generation, self.config.session_keepalive_s)   # a slow reader loses nothing
         keepalive.start()
         prior_key = self._prior_key(params, context)
         if self.priors is not None and generation.cost_model is not None:
             self.priors.start(prior_key, generation.cost_model)
+        self._num_running += 1
         try:
             async for response in self._stream(params, generation):
                 telemetry.on_response(response)
@@ -105,6 +108,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             telemetry.fail(exc.code(), details)
             await context.abort(exc.code(), details, overload_metadata(exc.code(), self.config.retry_after_s))
         finally:
+            self._num_running -= 1
             keepalive.stop()
             ticket.release()
             telemetry.end(sys.exc_info()[1])

@@ -10,6 +10,7 @@ import asyncio
 
 import grpc
 
+from gateway.proposers.base import NO_DRAFT, Draft
 from gateway.proposers.cost_model import RoundCostModel
 from gateway.replicas import VerifierPool
 from gateway.round_loop import Generation
@@ -131,3 +132,59 @@ async def test_a_moved_session_prices_its_next_round_beside_the_new_replicas_ses
     await generation._move(SessionLost("unavailable", "killed"))
     assert choice.load.load_penalty(0) > 0
     assert choice.choose({MODEL: (choice.expected_model(4), 4)}) == NONE
+
+
+class CountingDrafter:
+    """A drafter that only counts its prefills (and the proposals made once they were done)."""
+
+    def __init__(self) -> None:
+        self.prefills = 0
+        self.proposals_after_prefill: list[int] = []
+
+    async def prefill(self, prompt_ids: list[int], num_tokens: int) -> None:
+        await asyncio.sleep(0.01)
+        self.prefills += 1
+
+    async def propose(self, context_ids: list[int], num_tokens: int, room: int | None = None) -> Draft:
+        self.proposals_after_prefill.append(self.prefills)
+        return NO_DRAFT
+
+    async def close(self) -> None: ...
+
+
+async def prefills_made(num_other_requests: int, start: verifier_pb2.StartSessionResponse,
+                        model_s: float = 0.3) -> tuple[int, list[int]]:
+    """A generation's prefill beside `num_other_requests` requests, its verifier answering `start`, then its first
+    proposal: (draft prefills made, prefills done at each proposal)."""
+    choice = measured(0, model_s=model_s)
+    choice.model.observe_load(0.0, 0.0)
+    drafter = CountingDrafter()
+    params = GenerationParams("r", [1, 2, 3], SamplingParams(), 8, (), 4, True)
+    generation = Generation(params, "s", VerifierPool.of_stubs([]), drafter, 5.0,  # type: ignore[arg-type]
+                            cost_model=RoundCostModel(None, choice), num_other_requests=num_other_requests)
+
+    async def open_session(prompt_ids: list[int], max_new_tokens: int) -> verifier_pb2.StartSessionResponse:
+        return start
+    generation.session.open = open_session          # type: ignore[method-assign]
+    await generation._prefill()
+    await generation._propose([1, 2, 3, 7], 4, 4)
+    await generation.close()
+    return drafter.prefills, drafter.proposals_after_prefill
+
+
+async def test_the_draft_service_prefills_only_where_its_model_could_pay() -> None:
+    """Alone, the draft service prefills beside the verifier; beside other requests, after the verifier's report,
+    and only if a model round could pay under the load it reported (15 busy rows and a 0.3 s model: it could not,
+    so no prefill; an idle replica, or a fast model beside 3 rows: the prefill is made, and the first proposal waits
+    for it)."""
+    busy = verifier_pb2.StartSessionResponse(first_token_id=7, token_cost=S, free_tokens=1, num_batch_tokens=17,
+                                             num_other_rows=15, num_other_tokens=15, num_sessions=16)
+    idle = verifier_pb2.StartSessionResponse(first_token_id=7, token_cost=S, free_tokens=1, num_batch_tokens=3,
+                                             num_sessions=1)
+    assert await prefills_made(0, busy) == (1, [1])         # alone at this gateway: eager, whatever the replica
+    assert await prefills_made(3, busy) == (0, [0])
+    assert await prefills_made(3, idle) == (1, [1])
+    light = verifier_pb2.StartSessionResponse(first_token_id=7, token_cost=S, free_tokens=1, num_batch_tokens=5,
+                                              num_other_rows=3, num_other_tokens=3, num_sessions=4)
+    assert await prefills_made(3, light, model_s=0.001) == (1, [1])         # a fast model could pay beside 3 rows
+    assert await prefills_made(3, light) == (0, [0])
