@@ -26,8 +26,9 @@ worst gap reach ~4.5x. On a simulated clock (bench/step_budget_sim.py, a 4000-to
 F = 3: 4.4x and 1.41x; token budget only: 188x and 1.00x. On a host where tokens are cheap and a chunk long
 (1 ms a token, 1 us an attention pair), F = 2 keeps 2.9x with the pairs priced and reaches 3.6x without.
 min_prefill_tokens = 4 stays inside F decode steps on the
-CPUs measured (a token beyond the first few costs 0.18-0.45 of a one-token forward: Zen 4, Zen 3, Zen 1), so the
-floor rarely decides.
+CPUs measured alone (a token beyond the first few costs 0.18-0.45 of a one-token forward: Zen 4, Zen 3, Zen 1), so
+the floor rarely decides there; beside a stream late in a 4k prompt on an AVX2 Zen 3 (two sequences, attention over
+~4k positions) it does: steps of 3-4.3x a decode, bench.stall's longest gap 7x the median.
 """
 
 from __future__ import annotations
