@@ -233,16 +233,13 @@ class Generation:
     async def close(self) -> None:
         """Release the session everywhere; runs even when the client went away. A verifier session that never
         started has no token and needs no EndSession (a StartSession that failed or was cancelled ends itself)."""
-        if self._next_draft is not None:            # the client stopped reading: the early draft is not needed
-            self._next_draft.task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._next_draft.task
-            self._next_draft = None
-        if self._draft_prefill is not None:         # (ended before its first round)
-            self._draft_prefill.cancel()
-            with contextlib.suppress(BaseException):
-                await self._draft_prefill
-            self._draft_prefill = None
+        # The client stopped reading: the early draft is not needed, nor a draft prefill still running.
+        for task in (self._next_draft.task if self._next_draft else None, self._draft_prefill):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        self._next_draft = self._draft_prefill = None
         with end_session_span(self.trace_context):
             calls: list[Awaitable[object]] = [self.session.close()]
             if self.drafter is not None:

@@ -91,7 +91,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         ticket = await admit_or_abort(self.quotas, self.metrics, tenant, params, context, telemetry)   # fair share
         telemetry.started(params)
         generation = self._new_generation(params, context, telemetry.context)
-        generation.num_other_requests = self._num_running
         generation.session.tenant = tenant               # the verifier keeps a share for tenants holding nothing
         keepalive = SessionKeepAlive(generation, self.config.session_keepalive_s)   # a slow reader loses nothing
         keepalive.start()
@@ -137,7 +136,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         generation = Generation(params, session_id, self.verifiers, drafting.drafter, verifier_timeout,
                                 trace_context, drafting.cost_model, prefetch=self.config.draft_prefetch,
                                 overlap=self.config.overlap, eos_token_ids=self.model.eos_token_ids,
-                                max_failovers=self.config.max_failovers, on_move=self._count_failover)
+                                max_failovers=self.config.max_failovers, on_move=self._count_failover,
+                                num_other_requests=self._num_running)
         generation.session.cleanup_retry_s = self.config.end_session_retry_s
         generation.state.listeners.append(self._count_outcome)
         return generation

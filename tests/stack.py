@@ -6,8 +6,11 @@ Each service's engine runs on its own thread exactly as in production; only the 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
+from typing import Any
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -36,6 +39,17 @@ class Running:
         await self.server.stop(0)
         if self.engine is not None:
             self.engine.stop()
+
+
+def slow_forwards(monkeypatch: pytest.MonkeyPatch, runner: Any, seconds: float) -> None:
+    """Every forward of `runner` takes `seconds` longer. The tiny model's forward is faster than a gRPC hop, so
+    concurrent sessions' calls rarely share one; slowed, they queue up behind it and do."""
+    forward_flat = runner.forward_flat
+
+    def slow_forward_flat(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(seconds)
+        return forward_flat(*args, **kwargs)
+    monkeypatch.setattr(runner, "forward_flat", slow_forward_flat)
 
 
 async def start_verifier(model: str = "tiny-target", decode_ahead_tokens: int = 0, **engine: object) -> Running:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 import urllib.request
 from collections import Counter
 from typing import Any
@@ -25,7 +24,7 @@ from specmesh.config import DraftConfig, EngineConfig, TelemetryConfig, Verifier
 from specmesh.ops import cli, client
 from specmesh.telemetry.span_file import JsonLinesSpanExporter, span_to_dict
 from specmesh.telemetry.tracing import add_exporter
-from tests.stack import Running, start_gateway
+from tests.stack import Running, slow_forwards, start_gateway
 from tests.test_metric_help import bad_help
 from verifier_service.server import build_verifier
 
@@ -185,13 +184,7 @@ async def _ignore(serving: bool) -> None: ...
 async def test_concurrent_requests_get_their_own_traces_and_share_batches(stack, monkeypatch) -> None:
     memory = stack["memory"]
     memory.clear()
-    runner = stack["verifier"].engine.runner
-    forward_flat = runner.forward_flat
-
-    def slow_forward_flat(*args: Any, **kwargs: Any) -> Any:
-        time.sleep(0.03)      # the tiny model's forward is faster than a gRPC hop: let concurrent verifies queue up
-        return forward_flat(*args, **kwargs)
-    monkeypatch.setattr(runner, "forward_flat", slow_forward_flat)
+    slow_forwards(monkeypatch, stack["verifier"].engine.runner, 0.03)      # concurrent verifies queue up
     results = await asyncio.gather(*[generate(stack["gateway"].addr, max_new_tokens=24) for _ in range(4)])
     monkeypatch.undo()
     ids = {r[0].request_id for r in results}

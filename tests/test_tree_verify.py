@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 import uuid
-from typing import Any
 
 import grpc
 import pytest
@@ -22,7 +20,7 @@ from transformers import AutoTokenizer
 from protos.specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specmesh.models import resolve_model_dir
 from specmesh.spec.tree import depths
-from tests.stack import reference_greedy, start_verifier
+from tests.stack import reference_greedy, slow_forwards, start_verifier
 from tests.test_e2e_greedy import PROMPTS, wait_blocks_free
 
 VOCAB_DECOY = 7
@@ -153,13 +151,7 @@ async def test_concurrent_trees_and_chains_share_forwards_exactly(verifier, toke
     running, stub, dtype = verifier
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:4]]
     expected = [await expected_output(stub, dtype, ids, 40) for ids in prompts]
-    runner = running.engine.runner
-    forward_flat = runner.forward_flat
-
-    def slow_forward_flat(*args: Any, **kwargs: Any) -> Any:
-        time.sleep(0.02)   # the tiny model's forward is faster than a gRPC hop: let the sessions' verifies queue up
-        return forward_flat(*args, **kwargs)
-    monkeypatch.setattr(runner, "forward_flat", slow_forward_flat)
+    slow_forwards(monkeypatch, running.engine.runner, 0.02)      # the sessions' verifies queue up and share forwards
     results = await asyncio.gather(*[tree_rounds(stub, ids, exp, 24, random.Random(i), chains=i % 2 == 1)
                                      for i, (ids, exp) in enumerate(zip(prompts, expected, strict=True))])
     assert [out for out, _, _ in results] == [exp[:24] for exp in expected]
