@@ -75,7 +75,6 @@ from bench.speedup_arms import (
     STACK_ARMS,
     Layout,
     arm_k,
-    cpu_list,
     gateway_fields,
     layout_arms,
     prompt_cap,
@@ -89,6 +88,7 @@ from bench.wan_proxy import WanProxy
 from gateway.verify_cost import VerifyCost
 from specmesh.config import AUTO_DTYPE
 from specmesh.engine.dtype_choice import resolve_dtype
+from specmesh.ops.cores import cpu_list
 from specmesh.ops.launcher import PRESETS, Stack, StackConfig
 
 Results = dict[str, list[RequestResult]]   # per arm ("model@rtt40" etc. for the sweep)

@@ -127,15 +127,6 @@ LAYOUTS: dict[str, Layout] = {
 }
 
 
-def cpu_list(spec: str) -> set[int]:
-    """A `taskset -c` cpu list ("1", "0-1,3") as a set of cpu numbers."""
-    cpus: set[int] = set()
-    for part in spec.split(","):
-        first, _, last = part.strip().partition("-")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return cpus
-
-
 def run_key(layout: str, length: int) -> str:
     """Key of one (layout, max_new_tokens) run in the report, e.g. 'a/64'."""
     return f"{layout}/{length}"

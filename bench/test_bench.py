@@ -35,7 +35,6 @@ from bench.speedup_arms import (
     ARM_ENV,
     LAYOUTS,
     arm_k,
-    cpu_list,
     layout_arms,
     missing_features,
     parse_run_key,
@@ -45,6 +44,7 @@ from bench.speedup_arms import (
 from bench.speedup_goals import format_goal, goals_for_length, greedy_goal, limiting_term, round_terms
 from bench.speedup_stats import analytic_speedup, pooled_acceptance, position_acceptance, speedups
 from gateway.verify_cost import VerifyCost
+from specmesh.ops.cores import cpu_list
 from specmesh.ops.launcher import Stack, StackConfig
 
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specmesh.ops.cores import num_cores, verifier_threads_env
+
 PRESETS: dict[str, tuple[str, str]] = {
     "tiny": ("tiny-target", "tiny-draft"),
     "tiny-unrelated": ("tiny-target", "tiny-draft-unrelated"),
@@ -38,7 +40,8 @@ class StackConfig:
     verifier_port: int = 50061
     draft_port: int = 50062
     num_threads: int = 1           # torch threads per model service
-    verifier_threads: int = 0      # torch threads of the verifier (0 = num_threads)
+    verifier_threads: int = 0      # torch threads of the verifier (0 = num_threads); its steps may use more cores
+                                   # (specmesh/ops/cores.py)
     extra_env: Mapping[str, str] = field(default_factory=dict)
     draft_link_addr: str = ""      # where gateways dial the draft service ("" = draft_port; e.g. a WAN proxy)
     http_port: int = 0             # gateway's OpenAI-compatible HTTP API; 0 = off (`specmesh up` passes 8000)
@@ -237,12 +240,7 @@ class Stack:
         """Checks every port is free, starts verifier and draft service, then the gateway once both are ready."""
         c = self.config
         check_ports_free(c.host, c.ports())
-        self._spawn("verifier", "verifier_service", {
-            "SPECMESH_VERIFIER_MODEL": c.target, "SPECMESH_VERIFIER_HOST": c.host,
-            "SPECMESH_VERIFIER_PORT": str(c.verifier_port),
-            "SPECMESH_VERIFIER_NUM_THREADS": str(c.verifier_threads or c.num_threads),
-            **({"SPECMESH_VERIFIER_DTYPE": c.verifier_dtype} if c.verifier_dtype else {}),
-            **self._telemetry_env("verifier")}, c.verifier_port)
+        self._spawn("verifier", "verifier_service", self.verifier_env(), c.verifier_port)
         if c.draft:
             self._spawn("draft", "draft_service", {**self._draft_env(c.draft_port), **self._telemetry_env("draft")},
                         c.draft_port)
@@ -254,6 +252,17 @@ class Stack:
         except BaseException:
             self.stop()
             raise
+
+    def verifier_env(self) -> dict[str, str]:
+        """The verifier's environment (on top of the stack's): its model, address, threads and numerics."""
+        c = self.config
+        return {
+            "SPECMESH_VERIFIER_MODEL": c.target, "SPECMESH_VERIFIER_HOST": c.host,
+            "SPECMESH_VERIFIER_PORT": str(c.verifier_port),
+            **verifier_threads_env(c.verifier_threads or c.num_threads, num_cores(c.taskset.get("verifier", "")),
+                                   bool(c.draft), {**os.environ, **c.extra_env}),
+            **({"SPECMESH_VERIFIER_DTYPE": c.verifier_dtype} if c.verifier_dtype else {}),
+            **self._telemetry_env("verifier")}
 
     def _telemetry_env(self, service: str, http: bool = False) -> dict[str, str]:
         c, prefix = self.config, f"SPECMESH_{service.upper()}_"

@@ -1,0 +1,47 @@
+"""The cores `specmesh up` gives its verifier (specmesh/ops/cores.py)."""
+
+from __future__ import annotations
+
+import os
+
+from specmesh.config import VerifierConfig, load_config
+from specmesh.ops.cores import cpu_list, num_cores, verifier_threads_env
+from specmesh.ops.launcher import Stack, StackConfig
+
+
+def test_cpu_lists_and_the_cores_a_child_may_use() -> None:
+    assert cpu_list("0-2,5") == {0, 1, 2, 5} and cpu_list("1") == {1}
+    assert num_cores("0") == 1 and num_cores("0-3") == 4
+    assert num_cores() == len(os.sched_getaffinity(0))
+
+
+def test_a_verifier_beside_the_draft_service_runs_its_steps_on_every_core_but_ahead_steps_on_its_own() -> None:
+    env = verifier_threads_env(1, 2, shares_host_with_draft=True, user_env={})
+    config = load_config(VerifierConfig, "verifier", argv=[], env=env)
+    assert config.engine.num_threads == 1 and config.engine.num_threads_max == 2
+    assert config.engine.max_threads_min_tokens == 1      # every step, a one-row decode included
+    assert config.decode_ahead_threads == 1               # the draft's core stays free while it drafts
+    alone = verifier_threads_env(1, 4, shares_host_with_draft=False, user_env={})
+    assert alone["SPECMESH_VERIFIER_NUM_THREADS_MAX"] == "4" and "SPECMESH_VERIFIER_DECODE_AHEAD_THREADS" not in alone
+
+
+def test_a_pinned_verifier_or_one_given_every_core_keeps_its_threads() -> None:
+    assert verifier_threads_env(1, 1, True, {}) == {"SPECMESH_VERIFIER_NUM_THREADS": "1"}
+    assert verifier_threads_env(2, 2, True, {}) == {"SPECMESH_VERIFIER_NUM_THREADS": "2"}
+
+
+def test_what_the_user_set_wins() -> None:
+    env = verifier_threads_env(1, 2, True, {"SPECMESH_VERIFIER_NUM_THREADS_MAX": "0"})
+    assert "SPECMESH_VERIFIER_NUM_THREADS_MAX" not in env
+    config = load_config(VerifierConfig, "verifier", argv=[], env={**env, "SPECMESH_VERIFIER_NUM_THREADS_MAX": "0"})
+    assert config.engine.num_threads_max == 0
+
+
+def test_the_launcher_raises_the_threads_of_an_unpinned_verifier_only() -> None:
+    pinned = StackConfig(target="tiny-target", draft="tiny-draft", taskset={"verifier": "0", "draft": "1"})
+    assert "SPECMESH_VERIFIER_NUM_THREADS_MAX" not in Stack(pinned).verifier_env()
+    unpinned = Stack(StackConfig(target="tiny-target", draft="tiny-draft")).verifier_env()
+    assert unpinned["SPECMESH_VERIFIER_NUM_THREADS"] == "1"
+    if num_cores() > 1:
+        assert unpinned["SPECMESH_VERIFIER_NUM_THREADS_MAX"] == str(num_cores())
+        assert unpinned["SPECMESH_VERIFIER_DECODE_AHEAD_THREADS"] == "1"
