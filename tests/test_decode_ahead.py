@@ -196,3 +196,25 @@ async def test_an_ahead_step_gives_way_and_decoding_stays_exact(tokenizer) -> No
         await wait_blocks_free(verifier)
     finally:
         await verifier.stop()
+
+
+async def test_a_verify_settled_ahead_reports_the_cost_of_the_threads_a_verify_runs_on(tokenizer) -> None:
+    """`specmesh up` runs every step of the verifier on both cores (num_threads 1, num_threads_max 2, from 1 token):
+    a verify settled by tokens decoded ahead, with no forward, reports the cost measured on those 2 threads (what
+    the gateway prices its next draft by), not on the 1 thread no verify runs on."""
+    verifier = await start_verifier(decode_ahead_tokens=3, num_threads_max=2, max_threads_min_tokens=1)
+    engine = verifier.engine
+    try:
+        for n in (1, 2, 4, 8, 12):          # a measured line on 2 threads (steps here are all one token)
+            engine.forward_cost.observe(n, 2, 0.01 + 0.002 * n)
+        prompt_ids = tokenizer(PROMPTS[3])["input_ids"]
+        await engine.start_session("s", prompt_ids, SamplingParams(), max_new_tokens=20).future
+        await wait_ahead(engine, "s", len(prompt_ids) + 1 + 3)
+        engine.ahead.max_tokens = 0
+        ahead = engine.sessions["s"].seq.token_ids[len(prompt_ids) + 1:]
+        reply = await engine.verify("s", [ahead[0], X], None).future
+        assert reply.num_batch_tokens == 0                     # settled without a forward
+        assert reply.cost == engine.forward_cost.fit(2) and reply.cost.token_cost > 0
+        engine.end_session("s")
+    finally:
+        await verifier.stop()

@@ -167,7 +167,7 @@ class VerifierEngine(BatchedEngine[VerifyRequest]):
             self.ahead.delivered(session, len(ahead_ids))
             msg.done.set_result(VerifyResult(ahead_ids, len(match.path), tuple(match.path),
                                               num_batch_tokens=0, num_waiting=self.scheduler.num_waiting,
-                                              cost=self.forward_cost.fit(self.num_threads)))
+                                              cost=self._verify_fit(len(msg.draft_ids) + 1)))
             return
         self._enqueue_in_room(session, msg, match.rest_ids, None, match.rest_parents, match.rest_indices,
                               tuple(match.path))
@@ -230,6 +230,10 @@ class VerifierEngine(BatchedEngine[VerifyRequest]):
 
     def _ahead_fit(self, ahead: list[Session]) -> Fit:
         return self.forward_cost.fit(self.threads_for(len(ahead)))
+
+    def _verify_fit(self, num_tokens: int) -> Fit:
+        """The measured cost on the threads a verify of `num_tokens` tokens runs on (what a caller prices by)."""
+        return self.forward_cost.fit(BatchedEngine.threads_for(self, num_tokens))
 
     def interrupt_check(self, batch: list[ScheduledItem[VerifyRequest]]) -> Callable[[], bool] | None:
         """A step that only decodes ahead gives way to a start or a verify that needs a forward."""
