@@ -109,7 +109,9 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-file", default=gateway.telemetry.trace_file,
                    help=f"the span file; implies --trace (env SPECMESH_GATEWAY_TRACE_FILE; default "
                         f"{DEFAULT_TRACE_FILE})")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per model service (default %(default)s)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per model service (default %(default)s); the verifier's steps still run on "
+                        "every core the stack may use unless SPECMESH_VERIFIER_NUM_THREADS_MAX says otherwise")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
                    help="numerics of both model services: auto = the fastest batch-invariant kind this CPU runs (int4 "
                         "where its kernel builds, else int8, else float32; float32 for the tiny presets); int4, int8 "
