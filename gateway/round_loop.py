@@ -205,7 +205,8 @@ class Generation:
     def _verify_request(self, draft: Draft) -> verifier_pb2.VerifyRequest:
         request = verifier_pb2.VerifyRequest(                # the session fills in its id and owner token
             draft_token_ids=draft.token_ids,
-            draft_dists=sparse_dists_to_proto(draft.dists or []))
+            draft_dists=sparse_dists_to_proto(draft.dists or []),
+            draft_source=common_pb2.DraftSource.Name(draft.source))
         if draft.parents is not None:               # a tree (empty draft_parents on the wire = a chain)
             request.draft_parents.extend(draft.parents)
         return request

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 from transformers import AutoTokenizer
 
+from protos.specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specmesh.models import resolve_model_dir
 from specmesh.spec.sampling import SamplingParams
 from tests.stack import reference_greedy, start_verifier
@@ -180,7 +182,7 @@ async def test_an_ahead_step_gives_way_and_decoding_stays_exact(tokenizer) -> No
         engine.ahead.max_tokens = 0            # nothing ahead before the flag below is up
         output = list((await engine.start_session("i", prompt_ids, SamplingParams(), max_new_tokens=12).future)
                       .token_ids)
-        engine._urgent = True                  # as if a verify needing a forward had just arrived, until one does
+        engine._urgent_ids.add("i")            # as if its verify needing a forward had just arrived, until one does
         engine.ahead.max_tokens = 3
         engine.post(None)                      # wake the engine thread (no message: the flag stays up)
         await asyncio.sleep(0.3)
@@ -194,6 +196,82 @@ async def test_an_ahead_step_gives_way_and_decoding_stays_exact(tokenizer) -> No
         assert output == await target_only(prompt_ids, 12)
         engine.end_session("i")
         await wait_blocks_free(verifier)
+    finally:
+        await verifier.stop()
+
+
+async def test_an_ahead_step_beside_other_sessions_rows_runs_on(tokenizer) -> None:
+    """A verify of one session does not throw away a step that decodes ahead for another session too: both get
+    their tokens (no step given way). Once every session of such a step has a verify waiting, it gives way."""
+    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=3)
+    engine = verifier.engine
+    try:
+        engine.ahead.max_tokens = 0
+        lengths = {}
+        for session_id, prompt in (("i", PROMPTS[3]), ("j", PROMPTS[0])):
+            prompt_ids = tokenizer(prompt)["input_ids"]
+            await engine.start_session(session_id, prompt_ids, SamplingParams(), max_new_tokens=12).future
+            lengths[session_id] = len(prompt_ids) + 1
+        engine._urgent_ids.add("i")            # i's verify needing a forward has arrived; j's has not
+        engine.ahead.max_tokens = 3
+        engine.post(None)
+        for session_id, n in lengths.items():
+            await wait_ahead(engine, session_id, n + 3)
+        assert not ahead_metric(engine, "interrupted") and engine.ahead.counts.decoded == 6
+        engine.ahead.max_tokens = 0
+        for session_id in lengths:             # both deliver what they decoded ahead: nothing gave way
+            assert len((await engine.verify(session_id, [], None).future).token_ids) == 3
+        engine._urgent_ids.update(("i", "j"))  # now both: the step gives way before its first layer
+        engine.ahead.max_tokens = 6
+        engine.post(None)
+        await asyncio.sleep(0.3)
+        assert (ahead_metric(engine, "interrupted") or 0) > 0 and engine.ahead.counts.decoded == 6
+        for session_id in lengths:
+            engine.end_session(session_id)
+        await wait_blocks_free(verifier)
+    finally:
+        await verifier.stop()
+
+
+async def test_only_the_draft_models_blocks_leave_its_core_to_the_draft_service(tokenizer) -> None:
+    """On a host shared with the draft service, a step that decodes ahead after a verify of the draft model's block
+    keeps to the ahead threads (the service is likely drafting the next block); after n-gram or cache drafts (no
+    model runs) it uses every thread the verifier has, as between rounds without drafts."""
+    verifier = await start_verifier(decode_ahead_tokens=2, num_threads_max=2, max_threads_min_tokens=1)
+    engine = verifier.engine
+    engine.ahead.threads = 1
+    try:
+        prompt_ids = tokenizer(PROMPTS[3])["input_ids"]
+        output = list((await engine.start_session("s", prompt_ids, SamplingParams(), max_new_tokens=40).future)
+                      .token_ids)
+        for model_drafts, threads in ((False, 2), (True, 1), (False, 2)):
+            await wait_ahead(engine, "s", len(prompt_ids) + len(output) + 2)
+            reply = await engine.verify("s", [X, X, X, X], None, model_drafts=model_drafts).future  # past the ahead
+            output += reply.token_ids
+            assert engine.sessions["s"].drafting is model_drafts
+            await wait_ahead(engine, "s", len(prompt_ids) + len(output) + 2)
+            assert engine.forward_threads == threads, model_drafts
+        engine.end_session("s")
+        await wait_blocks_free(verifier)
+    finally:
+        await verifier.stop()
+
+
+async def test_a_verify_says_where_its_drafts_came_from() -> None:
+    """VerifyRequest.draft_source: the draft model's block (or drafts from a gateway that does not say) marks the
+    session as drafting; n-gram and cache drafts do not."""
+    verifier = await start_verifier()
+    try:
+        async with grpc.aio.insecure_channel(verifier.addr) as channel:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            start = await stub.StartSession(verifier_pb2.StartSessionRequest(session_id="s", prompt_token_ids=[5, 6]))
+            sources = ((common_pb2.DRAFT_SOURCE_NGRAM, False), (common_pb2.DRAFT_SOURCE_MODEL, True),
+                       (common_pb2.DRAFT_SOURCE_CACHE, False), (common_pb2.DRAFT_SOURCE_UNSPECIFIED, True))
+            for source, drafting in sources:
+                await stub.Verify(verifier_pb2.VerifyRequest(session_id="s", owner_token=start.owner_token,
+                                                             draft_token_ids=[X], draft_source=source))
+                assert verifier.engine.sessions["s"].drafting is drafting, source
+            await stub.EndSession(common_pb2.EndSessionRequest(session_id="s", owner_token=start.owner_token))
     finally:
         await verifier.stop()
 

@@ -35,6 +35,7 @@ class Verify:
     done: Completion[VerifyResult]
     deadline: float | None = None
     draft_parents: list[int] | None = None     # a token tree (None = chain)
+    model_drafts: bool = True                  # made by the draft service (which may be drafting the next block now)
 
 
 @dataclass(frozen=True)

@@ -94,8 +94,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self._check_ids(draft_ids, "draft_token_ids")
             dists = sparse_dists_from_proto(request.draft_dists, len(draft_ids), self.vocab_size)
             parents = _tree_parents(request.draft_parents, len(draft_ids))
-            result: VerifyResult = await self.engine.verify(session_id, draft_ids, dists,
-                                                            deadline_of(context), parents).future
+            model_drafts = request.draft_source in (common_pb2.DRAFT_SOURCE_MODEL, common_pb2.DRAFT_SOURCE_UNSPECIFIED)
+            result: VerifyResult = await self.engine.verify(session_id, draft_ids, dists, deadline_of(context),
+                                                            parents, model_drafts).future
         return verifier_pb2.VerifyResponse(num_accepted=result.num_accepted, token_ids=result.token_ids,
                                            accepted_node_indices=result.accepted_node_indices,
                                            **self._load_fields(result),

@@ -134,7 +134,7 @@ class BatchedEngine(EngineThread, Generic[R]):
         if threads != torch.get_num_threads():       # the engine thread's own setting (int8 logits do not change)
             torch.set_num_threads(threads)
         self.runner.interrupt = self.interrupt_check(batch)
-        step_attributes = self._step_attributes(batch)
+        step_attributes = self._step_attributes(batch) | {"specmesh.step.num_threads": threads}
         try:
             started, wall_start = time.perf_counter(), time.monotonic()
             with forward_span(self._name, self.metrics, batch_composition(batch), links, step_attributes):
