@@ -125,9 +125,15 @@ class LoadPricing(Protocol):
 
     def load_penalty(self, k: int) -> float: ...
 
+    @property
+    def load(self) -> tuple[float, float]: ...
+
 
 class ProposerChoice:
-    def __init__(self) -> None:
+    def __init__(self, draft_host_share: float = 0.0) -> None:
+        # The share of the verifier's compute a running draft model takes from it: 0 on a host of its own; on the
+        # verifier's host, the draft's threads over the verifier's (`specmesh up` on 2 cores: 0.5).
+        self.draft_host_share = draft_host_share
         self._verify_base = _Decayed(PRIOR_VERIFY_S, 1.0)
         self.verify_slope = VERIFY_SLOPE
         self.free_tokens = 1                        # verified tokens that cost about what one does
@@ -174,9 +180,24 @@ class ProposerChoice:
 
     def rate(self, proposer: str, expected: float, num_tokens: int) -> float:
         """Expected net tokens per second of a round drafted by `proposer` (`expected` accepted of `num_tokens`):
-        less what its rows take from the other sessions in the forward."""
-        net = 1.0 + expected - self.load.load_penalty(num_tokens)
+        less what its rows take from the other sessions in the forward and what its draft's compute takes from
+        their forwards on a shared host."""
+        net = 1.0 + expected - self.load.load_penalty(num_tokens) - self.contention(proposer, num_tokens)
         return net / max(self.round_s(proposer, num_tokens), 1e-6)
+
+    def contention(self, proposer: str, num_tokens: int) -> float:
+        """C: tokens the other sessions give up while the draft model computes on the verifier's cores,
+
+            C = share * rho_o * cost_s(MODEL),        rho_o = E_o / verify_s(0)
+
+        (E_o: the other sessions' tokens per forward, smoothed; verify_s(0) about one forward's time). 4 streams of
+        the real pair on 2 cores: the forwards beside a running draft took 76 ms instead of 54, and a step that
+        decodes ahead gave the draft its core (1 thread: 100 ms instead of 59). 0 alone, for local proposers, and
+        for a draft service on a host of its own."""
+        if proposer != MODEL or self.draft_host_share <= 0:
+            return 0.0
+        other_tokens = self.load.load[1]
+        return self.draft_host_share * other_tokens / max(self.verify_s(0), 1e-6) * self.cost_s(MODEL, num_tokens)
 
     # ------------------------------------------------------------------ decision
     def choose(self, options: dict[str, tuple[float, int]]) -> str:
@@ -201,7 +222,7 @@ class ProposerChoice:
     def _probe_s(self, proposer: str, num_tokens: int, best_s: float) -> float:
         """What a probe of `proposer` costs over the best round: its extra time, plus the tokens its rows take from
         the other sessions in the forward beyond what the best round's take, at the best round's time per round."""
-        taken = self.load.load_penalty(num_tokens) - self.load.load_penalty(0)
+        taken = self.load.load_penalty(num_tokens) - self.load.load_penalty(0) + self.contention(proposer, num_tokens)
         return self.round_s(proposer, num_tokens) - best_s + max(0.0, taken) * best_s
 
     def could_pay(self, proposer: str, num_tokens: int) -> bool:
@@ -209,7 +230,7 @@ class ProposerChoice:
         `proposer` would beat target-only if each draft were accepted at BEST_CASE_ACCEPTANCE, at the proposer's
         measured cost (unmeasured: free) and what its rows take from the others (16 streams of the real pair on a
         compute-bound CPU: P(4) ~ 3.9 tokens, more than a 4-token draft can bring)."""
-        if self.load.load_penalty(0) <= 0:
+        if self.load.load_penalty(0) <= 0:       # (no other rows: no contention either)
             return True
         best_case = sum(BEST_CASE_ACCEPTANCE ** i for i in range(1, num_tokens + 1))
         return self.rate(proposer, best_case, num_tokens) > self.rate(NONE, 0.0, 0)

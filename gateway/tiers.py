@@ -29,15 +29,18 @@ class TierSettings:
     context_tail: int = 8                   # context tokens the cache keys look at
     suffix_drafting: bool = False           # the suffix-tree proposer replaces the cache and n-gram tiers
     max_branches: int = 1                   # suffix drafts: children per tree node (1 = chains)
+    draft_host_share: float = 0.0           # the verifier's compute a running draft model takes (suffix_choice.py)
 
 
 def build_tiers(config: GatewayConfig, model: str, tokenizer: str, vocab_size: int) -> DraftTiers:
     if config.cache_scope not in ("tenant", "shared"):
         raise ValueError(f"cache_scope must be 'tenant' or 'shared', got {config.cache_scope!r}")
+    if not 0.0 <= config.draft_host_share <= 1.0:
+        raise ValueError(f"draft_host_share must be within [0, 1], got {config.draft_host_share}")
     suffix_lens = parse_lens(config.cache_suffix_lens)
     settings = TierSettings(vocab_size, config.cache_scope == "shared", config.enable_ngram,
                             parse_lens(config.ngram_sizes), config.local_draft_tokens, max(suffix_lens),
-                            config.suffix_drafting, 1 + max(0, config.draft_tree_width))
+                            config.suffix_drafting, 1 + max(0, config.draft_tree_width), config.draft_host_share)
     if not config.enable_cache:
         return DraftTiers(settings, None, load_api_keys(config))
     cache_settings = CacheSettings(config.redis_url, config.redis_cluster, config.cache_secret,

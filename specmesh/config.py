@@ -203,6 +203,9 @@ class GatewayConfig:
                                            # cache + n-gram tiers and picks each round's proposer, target-only
                                            # included, by expected tokens per second (the held-out set's best)
     draft_tree_width: int = 0              # alternatives per low-confidence draft position (token trees); 0 = chains
+    draft_host_share: float = 0.0          # the verifier's compute a running draft model takes from it: 0 = the draft
+                                           # service has its own host; `specmesh up` sets draft threads / verifier
+                                           # cores (suffix drafting prices the other streams' loss by it)
     overlap: bool = False                  # overlapped speculation (draft ahead of verdicts); off until measured
     limits: InputLimits = InputLimits()    # caps on every input (README "Input limits")
     telemetry: TelemetryConfig = TelemetryConfig()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from specmesh.config import VerifierConfig, load_config
-from specmesh.ops.cores import cpu_list, num_cores, verifier_threads_env
+from specmesh.config import GatewayConfig, VerifierConfig, load_config
+from specmesh.ops.cores import cpu_list, draft_host_share_env, num_cores, verifier_threads_env
 from specmesh.ops.launcher import Stack, StackConfig
 
 
@@ -45,3 +45,19 @@ def test_the_launcher_raises_the_threads_of_an_unpinned_verifier_only() -> None:
     if num_cores() > 1:
         assert unpinned["SPECMESH_VERIFIER_NUM_THREADS_MAX"] == str(num_cores())
         assert unpinned["SPECMESH_VERIFIER_DECODE_AHEAD_THREADS"] == "1"
+
+
+def test_the_gateway_is_told_what_a_draft_takes_from_the_verifiers_cores() -> None:
+    name = "SPECMESH_GATEWAY_DRAFT_HOST_SHARE"
+    assert draft_host_share_env(1, "0-1", "0-1", {}) == {name: "0.5"}          # one host, 2 cores: half
+    assert draft_host_share_env(1, "0-1", "1", {}) == {name: "0.5"}            # the draft's core is one of them
+    assert draft_host_share_env(1, "0", "1", {}) == {}                         # pinned apart: nothing shared
+    assert draft_host_share_env(2, "0", "0", {}) == {name: "1"}
+    assert draft_host_share_env(1, "0-1", "0-1", {name: "0"}) == {}            # what the user set wins
+    config = load_config(GatewayConfig, "gateway", argv=[], env=draft_host_share_env(1, "0-3", "0-3", {}))
+    assert config.draft_host_share == 0.25
+    pinned = StackConfig(target="tiny-target", draft="tiny-draft", taskset={"verifier": "0", "draft": "1"})
+    assert name not in Stack(pinned)._draft_share_env()
+    assert name not in Stack(StackConfig(target="tiny-target", draft=""))._draft_share_env()   # no draft service
+    unpinned = Stack(StackConfig(target="tiny-target", draft="tiny-draft"))._draft_share_env()
+    assert float(unpinned[name]) == 1 / num_cores()

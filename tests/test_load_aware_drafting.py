@@ -11,7 +11,7 @@ import random
 import pytest
 
 from gateway.adaptive import AdaptiveParams, DraftLengthController
-from gateway.suffix_choice import LOCAL, NONE, ProposerChoice
+from gateway.suffix_choice import LOCAL, MODEL, NONE, ProposerChoice
 from gateway.verify_cost import VerifyCost, forward_units, load_penalty, reported
 from specmesh.spec.sampling import SamplingParams
 from tests.stack import start_draft, start_gateway, start_verifier
@@ -143,6 +143,28 @@ def test_the_proposer_choice_prices_the_same_load() -> None:
             choice.observe_cost(LOCAL, 0.0001)
     assert quiet.choose({LOCAL: (0.5, 3)}) == LOCAL
     assert busy.choose({LOCAL: (0.5, 3)}) == NONE
+
+
+def test_a_draft_model_on_the_verifiers_cores_is_priced_by_the_others_tokens_its_compute_costs() -> None:
+    """A model round that pays beside one light stream on its own host does not where its 80 ms of compute take
+    half the verifier's cores from that stream's forwards (draft_host_share 0.5); alone there is nobody to lose."""
+    def trained(share: float, other: int) -> ProposerChoice:
+        choice = ProposerChoice(draft_host_share=share)
+        for _ in range(30):
+            choice.observe_verify(0, 0.06, VerifyCost(0.1, 4, other + 1, other, other))
+            choice.observe_model(4, 2, 0.08, 0.066)         # about 2 of 4 drafts accepted
+            choice.observe_cost(MODEL, 0.08)
+        return choice
+
+    own_host, shared = trained(0.0, 1), trained(0.5, 1)
+    assert own_host.contention(MODEL, 4) == 0 and shared.contention(LOCAL, 4) == 0
+    assert shared.contention(MODEL, 4) == pytest.approx(0.5 * 1 / 0.06 * 0.08, rel=0.01)   # 0.67 tokens a round
+    options = {MODEL: (own_host.expected_model(4), 4)}
+    assert own_host.choose(options) == MODEL
+    assert shared.choose(options) == NONE
+    assert shared.rate(MODEL, *options[MODEL]) < shared.rate(NONE, 0.0, 0) < own_host.rate(MODEL, *options[MODEL])
+    alone = trained(0.5, 0)
+    assert alone.contention(MODEL, 4) == 0 and alone.choose(options) == MODEL
 
 
 # ------------------------------------------------------------------------------------------------- the verifier

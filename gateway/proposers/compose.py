@@ -31,7 +31,7 @@ def build_policy(tiers: DraftTiers, model: ModelProposer | None, tenant: str | N
     settings, scope = tiers.settings, tiers.scope(tenant)
     proposers = ProposerSet(tiers.stats, model)
     if settings.suffix_drafting:
-        choice = ProposerChoice()
+        choice = ProposerChoice(settings.draft_host_share)
         cost_model = RoundCostModel(length, choice)
         proposers.local_suffix = LocalSuffixProposer(settings.max_branches)
         if tiers.store is not None and scope is not None:

@@ -13,8 +13,12 @@ on one thread, 19.2 / 52.0 / 62.6 with every step on both cores; the defaults 17
 47.1 / 59.3. The int4 kernel's thread pool hands out its work in chunks that any thread claims, so a step that shares
 a core with a draft forward slows by that forward's share, not by a whole step.
 
+A draft model computing on those cores takes from every stream's forwards: the gateway is told how much
+(SPECMESH_GATEWAY_DRAFT_HOST_SHARE = the draft's threads over the verifier's cores, where their cores overlap), and
+prices a draft model round by the other streams' tokens it costs (gateway/suffix_choice.py, `contention`).
+
 A variable the user set (SPECMESH_VERIFIER_NUM_THREADS_MAX, ..._MAX_THREADS_MIN_TOKENS,
-..._DECODE_AHEAD_THREADS) wins; a verifier pinned to one core keeps one thread.
+..._DECODE_AHEAD_THREADS, SPECMESH_GATEWAY_DRAFT_HOST_SHARE) wins; a verifier pinned to one core keeps one thread.
 """
 
 from __future__ import annotations
@@ -49,3 +53,16 @@ def verifier_threads_env(num_threads: int, cores: int, shares_host_with_draft: b
         if shares_host_with_draft:
             raised["SPECMESH_VERIFIER_DECODE_AHEAD_THREADS"] = str(num_threads)
     return env | {name: value for name, value in raised.items() if name not in user_env}
+
+
+def draft_host_share_env(draft_threads: int, verifier_taskset: str, draft_taskset: str,
+                         user_env: Mapping[str, str]) -> dict[str, str]:
+    """The gateway's SPECMESH_GATEWAY_DRAFT_HOST_SHARE: the draft's threads over the verifier's cores where the two
+    services may run on the same cores (neither pinned, or pinned to cpus they share); nothing where they may not
+    (the default 0), or where the user set it."""
+    name = "SPECMESH_GATEWAY_DRAFT_HOST_SHARE"
+    verifier_cpus = cpu_list(verifier_taskset) if verifier_taskset else os.sched_getaffinity(0)
+    draft_cpus = cpu_list(draft_taskset) if draft_taskset else os.sched_getaffinity(0)
+    if name in user_env or not verifier_cpus & draft_cpus:
+        return {}
+    return {name: f"{min(1.0, draft_threads / len(verifier_cpus)):.3g}"}

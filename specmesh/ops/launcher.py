@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specmesh.ops.cores import num_cores, verifier_threads_env
+from specmesh.ops.cores import draft_host_share_env, num_cores, verifier_threads_env
 
 PRESETS: dict[str, tuple[str, str]] = {
     "tiny": ("tiny-target", "tiny-draft"),
@@ -281,6 +281,7 @@ class Stack:
         c = self.config
         backend = dial_host(c.host)
         self._spawn(name, "gateway", {
+            **self._draft_share_env(),
             "SPECMESH_GATEWAY_HTTP_PORT": "0",     # extra gateways: no HTTP API unless `env` asks for one
             **env, "SPECMESH_GATEWAY_HOST": c.host, "SPECMESH_GATEWAY_PORT": str(port),
             "SPECMESH_GATEWAY_VERIFIER_ADDR": f"{backend}:{c.verifier_port}",
@@ -292,6 +293,14 @@ class Stack:
         environment (e.g. another draft LM head); waits until SERVING and returns its address."""
         self._spawn(name, "draft_service", {**env, **self._draft_env(port)}, port)
         return self._wait_ready(name, timeout_s)
+
+    def _draft_share_env(self) -> dict[str, str]:
+        """What a running draft takes from the verifier's cores, as the gateway prices it (specmesh/ops/cores.py)."""
+        c = self.config
+        if not c.draft:
+            return {}
+        return draft_host_share_env(c.num_threads, c.taskset.get("verifier", ""), c.taskset.get("draft", ""),
+                                    {**os.environ, **c.extra_env})
 
     def _draft_env(self, port: int) -> dict[str, str]:
         c = self.config
