@@ -298,7 +298,9 @@ class DraftEngine(BatchedEngine[DraftRequest]):
         room = proposal.num_total_tokens - len(session.tail_dists) - 1
         if not self.guesses or not proposal.params.is_greedy or room <= 0:
             return []
-        g = best_num_guesses(session.guess_rate.rate, self.forward_cost.fit(self.threads_for(1)), 1, room)
+        threads = self.threads_for(1)
+        g = best_num_guesses(session.guess_rate.rate, self.forward_cost.fit(threads), 1, room,
+                             lambda n: self.forward_cost.seconds(threads, n))
         return guess(session.seq.token_ids, g, ()) if g else []
 
     def idle_seqs(self) -> Iterable[SeqState]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from specmesh.engine.forward_cost import UNKNOWN, Fit
+from specmesh.engine.forward_cost import UNKNOWN, Fit, ForwardCost
 from specmesh.engine.guesses import MAX_GUESSES, GuessRate, best_num_guesses, guess
 from specmesh.models import resolve_model_dir
 from specmesh.spec.sampling import SamplingParams
@@ -37,6 +37,20 @@ def test_guesses_are_priced_like_a_draft_length() -> None:
     assert best_num_guesses(0.9, Fit(0.0, 2, 1.0), 1, 20) == MAX_GUESSES
     assert best_num_guesses(0.5, vnni, 8, 7) == 0             # beside 7 other rows: 8.5 tokens for 1.08x the forward
     assert best_num_guesses(0.9, vnni, 8, 7) >= 1             # a guess that nearly always hits still pays
+
+
+def test_measured_forward_sizes_price_guesses_where_the_line_is_not_the_kernels_shape() -> None:
+    """The int4 AVX-512 kernel on 2 threads: 68 ms for 8 rows, 82 for 9 (past its 8-row tile), 89 for 10. The line
+    (about 5 ms a row) lets a guess that nearly always hits join 8 rows; the measured 9-row forwards do not."""
+    cost = ForwardCost()
+    for _ in range(20):
+        for n, seconds in ((1, 0.042), (4, 0.052), (8, 0.068), (9, 0.082), (10, 0.089), (16, 0.121)):
+            cost.observe(n, 2, seconds)
+    fit = cost.fit(2)
+    assert cost.seconds(2, 9) == pytest.approx(0.082) and cost.seconds(2, 5) is None and cost.seconds(1, 8) is None
+    assert best_num_guesses(0.9, fit, 8, 7) >= 1                                   # by the line
+    assert best_num_guesses(0.9, fit, 8, 7, lambda n: cost.seconds(2, n)) == 0     # by the measured sizes
+    assert best_num_guesses(0.9, fit, 1, 7, lambda n: cost.seconds(2, n)) >= 1     # 1 row: 4 rows cost 1.24x
 
 
 def test_the_guess_rate_follows_the_session_and_recovers() -> None:

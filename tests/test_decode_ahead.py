@@ -21,6 +21,7 @@ from specmesh.models import resolve_model_dir
 from specmesh.spec.sampling import SamplingParams
 from tests.stack import reference_greedy, start_verifier
 from tests.test_e2e_greedy import PROMPTS, wait_blocks_free
+from tests.test_paged_verifier import handle_posted
 from verifier_service.ahead import match_ahead, subtree
 
 A, B, C, D, E, X = 11, 12, 13, 14, 15, 99
@@ -255,6 +256,35 @@ async def test_only_the_draft_models_blocks_leave_its_core_to_the_draft_service(
         await wait_blocks_free(verifier)
     finally:
         await verifier.stop()
+
+
+async def test_idle_sessions_decode_ahead_in_the_forward_of_a_waiting_verify(tokenizer) -> None:
+    """A verify that needs a forward does not run alone while another session idles: the idle session's next token
+    is decoded ahead in the same forward (held back, 7 idle streams of 8 lost a forward to every such verify)."""
+    verifier = await start_verifier(decode_ahead_tokens=3)
+    engine = verifier.engine
+    try:
+        engine.stop()                               # run the steps by hand
+        starts = [engine.start_session(s, tokenizer(p)["input_ids"], SamplingParams(), max_new_tokens=12)
+                  for s, p in (("a", PROMPTS[3]), ("b", PROMPTS[0]))]
+        handle_posted(engine, 2)
+        engine.step()
+        firsts = [(await s.future).token_ids for s in starts]
+        b_len = len(engine.sessions["b"].seq.token_ids)
+        verify = engine.verify("a", [X, X], None)
+        handle_posted(engine, 1)
+        engine.step()
+        result = await verify.future
+        assert result.num_batch_tokens == 3 + 1                 # a's pending token and 2 drafts, b's row beside
+        assert len(engine.sessions["b"].seq.token_ids) == b_len + 1
+        settled = engine.verify("b", [], None)
+        handle_posted(engine, 1)
+        reply = await settled.future                           # settled by the token decoded ahead
+        assert reply.num_batch_tokens == 0 and len(reply.token_ids) == 1
+        prompt_b = tokenizer(PROMPTS[0])["input_ids"]
+        assert [*firsts[1], *reply.token_ids] == reference_greedy(prompt_b, 2)
+    finally:
+        await verifier.server.stop(0)
 
 
 async def test_a_verify_says_where_its_drafts_came_from() -> None:

@@ -6,7 +6,7 @@ tokens decoded ahead is verifier_service/ahead.py; how many guesses pay is specm
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from specmesh.engine.block_manager import BlockManager
@@ -58,15 +58,17 @@ class DecodeAhead:
                 room -= bm.num_blocks_needed(n) - len(bm.block_table(seq.seq_id))
         return out
 
-    def guesses_for(self, ahead: list[Session], fit: Fit) -> list[list[int]]:
-        """Prompt-lookup guesses per ahead session, as many as pay at the forward's measured cost `fit`; only for
-        sessions whose caller speculates (said so at the start, or its last verify carried drafts), never past the
-        ahead limit or the session's length."""
+    def guesses_for(self, ahead: list[Session], fit: Fit, num_rows: int = 0,
+                    measured: Callable[[int], float | None] | None = None) -> list[list[int]]:
+        """Prompt-lookup guesses per ahead session, as many as pay at the forward's measured cost (`fit`, and
+        `measured` seconds per forward size where known) beside `num_rows` rows of waiting work; only for sessions
+        whose caller speculates (said so at the start, or its last verify carried drafts), never past the ahead
+        limit or the session's length."""
         out: list[list[int]] = []
-        num_rows = len(ahead)
+        num_rows += len(ahead)
         for s in ahead:
             wanted = self.guesses and (s.speculative or s.drafting)
-            g = best_num_guesses(s.guess_rate.rate, fit, num_rows, self._room(s)) if wanted else 0
+            g = best_num_guesses(s.guess_rate.rate, fit, num_rows, self._room(s), measured) if wanted else 0
             out.append(guess(s.seq.token_ids, g, self.eos_token_ids) if g else [])
             num_rows += len(out[-1])
         return out

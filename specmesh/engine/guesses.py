@@ -18,13 +18,16 @@ takes the g with the most tokens per cost. Beside other sessions' rows a guess m
 one-token rows on a compute-bound core (token_cost 0.2) takes one only at a > 0.67, where priced against this
 session's one token alone it took any with a > 0.08 (ahead steps of 8 streams carried ~2 guess rows each, ~10% of
 the verifier's time).
+Where the engine has recent forwards of a size, their mean prices that size instead of the line (`ForwardCost.seconds`):
+the int4 AVX-512 kernel on 2 threads takes 68 ms for 8 rows and 82 for 9, a row past its 8-row tile, where the line
+says 73; ahead steps of 8 streams carried a guess row in a fifth of their forwards, for ~3% of the verifier's time.
 Until the cost is measured, an extra row is priced at a quarter of a forward (`PRIOR_FIT`): the guesses' own forwards
 then give the measure its spread in size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from specmesh.engine.forward_cost import UNKNOWN, Fit
@@ -60,9 +63,12 @@ class GuessRate:
             self.tries = RELAX * self.tries + (1 - RELAX) * PRIOR_TRIES
 
 
-def best_num_guesses(rate: float, fit: Fit, num_rows: int, max_guesses: int) -> int:
+def best_num_guesses(rate: float, fit: Fit, num_rows: int, max_guesses: int,
+                     measured: Callable[[int], float | None] | None = None) -> int:
     """The g <= max_guesses with the most expected tokens per cost when the forward already runs num_rows tokens
-    (this session's pending token included), each worth a token."""
+    (this session's pending token included), each worth a token. measured(n): the engine's recent forwards of n
+    tokens, in seconds (`ForwardCost.seconds`): a size's forwards price it, the line only the sizes between measured
+    ones (a row past the kernel's tile costs a fifth of the forward, not the line's fifteenth)."""
     if max_guesses <= 0:
         return 0
     if fit == UNKNOWN:
@@ -71,9 +77,24 @@ def best_num_guesses(rate: float, fit: Fit, num_rows: int, max_guesses: int) -> 
     def cost(n: int) -> float:
         return 1.0 + fit.token_cost * max(0, n - fit.free_tokens)
 
+    def seconds(n: int) -> float | None:
+        """t(n): measured, else the line from the largest measured size below n (None: none measured)."""
+        if measured is None:
+            return None
+        for m in range(n, 0, -1):
+            t = measured(m)
+            if t:
+                return t * cost(n) / cost(m)
+        return None
+
+    def growth(n: int) -> float:
+        """t(n) / t(num_rows)."""
+        now, then = seconds(num_rows), seconds(n)
+        return then / now if now and then else cost(n) / cost(num_rows)
+
     best, best_value = 0, 1.0
     for g in range(1, min(max_guesses, MAX_GUESSES) + 1):
-        value = (num_rows + sum(rate ** i for i in range(1, g + 1))) / num_rows * cost(num_rows) / cost(num_rows + g)
+        value = (num_rows + sum(rate ** i for i in range(1, g + 1))) / num_rows / growth(num_rows + g)
         if value > best_value + 1e-9:
             best, best_value = g, value
     return best
