@@ -165,7 +165,7 @@ class Generation:
             started = time.perf_counter()
             wanted, draft = await self._draft(context)
             drafted = time.perf_counter()
-            verify = asyncio.ensure_future(self.session.verify(self._verify_request(draft)))
+            verify = asyncio.ensure_future(self.session.verify(verify_request(draft)))
             if self.prefetch and self.drafter is not None:
                 # The next block crosses the draft link while the verifier works (used if all is accepted).
                 self.drafter.prefetch(context, draft, min(wanted, self.state.draft_room(len(draft.token_ids) + 1)))
@@ -201,15 +201,6 @@ class Generation:
         room = self.state.draft_room()
         task = asyncio.ensure_future(self._propose(self.state.context_ids, min(wanted, room), room))
         self._next_draft = _NextDraft(len(self.state.context_ids), wanted, task)
-
-    def _verify_request(self, draft: Draft) -> verifier_pb2.VerifyRequest:
-        request = verifier_pb2.VerifyRequest(                # the session fills in its id and owner token
-            draft_token_ids=draft.token_ids,
-            draft_dists=sparse_dists_to_proto(draft.dists or []),
-            draft_source=common_pb2.DraftSource.Name(draft.source))
-        if draft.parents is not None:               # a tree (empty draft_parents on the wire = a chain)
-            request.draft_parents.extend(draft.parents)
-        return request
 
     async def _start_session(self) -> verifier_pb2.StartSessionResponse:
         """Opens the session on the replica placement picks (gateway/placement.py), or the next that takes it."""
@@ -249,3 +240,14 @@ class Generation:
         for r in results:
             if isinstance(r, Exception):
                 log.warning("ending session %s: %r", self.session_id, r)
+
+
+def verify_request(draft: Draft) -> verifier_pb2.VerifyRequest:
+    """A round's VerifyRequest (the session fills in its id and owner token): the drafts, their q, a tree's shape and
+    where they came from (the verifier leaves the draft service its core only while the model drafts)."""
+    request = verifier_pb2.VerifyRequest(draft_token_ids=draft.token_ids,
+                                         draft_dists=sparse_dists_to_proto(draft.dists or []),
+                                         draft_source=common_pb2.DraftSource.Name(draft.source))
+    if draft.parents is not None:                   # a tree (empty draft_parents on the wire = a chain)
+        request.draft_parents.extend(draft.parents)
+    return request

@@ -16,6 +16,8 @@ import grpc
 import pytest
 from transformers import AutoTokenizer
 
+from gateway.proposers.base import Draft
+from gateway.round_loop import verify_request
 from protos.specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specmesh.models import resolve_model_dir
 from specmesh.spec.sampling import SamplingParams
@@ -304,6 +306,14 @@ async def test_a_verify_says_where_its_drafts_came_from() -> None:
             await stub.EndSession(common_pb2.EndSessionRequest(session_id="s", owner_token=start.owner_token))
     finally:
         await verifier.stop()
+
+
+def test_the_gateway_says_where_a_rounds_drafts_came_from() -> None:
+    for source in (common_pb2.DRAFT_SOURCE_MODEL, common_pb2.DRAFT_SOURCE_NGRAM, common_pb2.DRAFT_SOURCE_CACHE):
+        request = verify_request(Draft([A, B], None, source))
+        assert request.draft_source == source and list(request.draft_token_ids) == [A, B]
+    tree = verify_request(Draft([A, B, C], None, common_pb2.DRAFT_SOURCE_MODEL, parents=[-1, -1, 0]))
+    assert list(tree.draft_parents) == [-1, -1, 0]
 
 
 async def test_a_verify_settled_ahead_reports_the_cost_of_the_threads_a_verify_runs_on(tokenizer) -> None:

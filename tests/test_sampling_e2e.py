@@ -56,7 +56,7 @@ async def sample_pairs(addr: str, seeded: bool = True) -> list[tuple[int, int]]:
     return pairs
 
 
-def assert_follows(samples: list[int], probs: torch.Tensor, seeded: bool) -> None:
+def assert_follows(samples: list[int], probs: torch.Tensor, seeded: bool = True) -> None:
     support = set(torch.nonzero(probs).flatten().tolist())
     assert set(samples) <= support, f"sampled outside the target's support: {set(samples) - support}"
     counts = torch.bincount(torch.tensor(samples), minlength=probs.numel()).double()
