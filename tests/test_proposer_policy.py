@@ -3,6 +3,7 @@ round cost model, fed once per round by the round loop (gateway/proposers/)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 from gateway.adaptive import DraftLengthController
@@ -32,10 +33,11 @@ class FakeModel:
     """A draft model (the ModelProposer protocol) that drafts 7s and counts its calls."""
 
     def __init__(self) -> None:
-        self.link = DraftLink()
+        self.link = DraftLink(bound=True)           # prefilled beside the verifier, as a request alone is
         self.tree_width, self.tree_pricing = 0, None
         self.num_prefetch_hits = self.bytes_sent = self.bytes_received = 0
         self.calls: list[int] = []
+        self.prefills: list[list[int]] = []
 
     @property
     def prefetching(self) -> bool:
@@ -49,7 +51,9 @@ class FakeModel:
         pass
 
     async def prefill(self, prompt_ids: list[int], num_tokens: int) -> None:
-        pass
+        self.prefills.append(prompt_ids)
+        await asyncio.sleep(0.01)
+        self.link.send(prompt_ids)
 
     def prefetch(self, context_ids: list[int], draft: Draft, num_tokens: int) -> None:
         pass
@@ -179,3 +183,30 @@ def test_a_generation_feeds_its_cost_model_once_per_round() -> None:
     assert (seen.source, seen.num_drafted, seen.num_accepted, seen.draft_s, seen.verify_s) == (NGRAM, 3, 1, 0.01, 0.2)
     assert (seen.num_alternatives, seen.alternative_hit, seen.accepted_ids) == (1, True, (6,))
     assert seen.draft is draft and seen.cost == VerifyCost(0.1)
+
+
+async def test_a_model_round_never_waits_for_the_draft_service_to_prefill_the_context() -> None:
+    """Where the draft service does not hold the request's context yet (its prefill was skipped under load), the
+    model is no option until a prefill sent in the background is done: a round never waits for a long context's
+    prefill. Under load where a model round could not pay, no prefill is sent at all."""
+    model = FakeModel()
+    model.link = DraftLink()                             # never prefilled
+    policy = build_policy(tiers(suffix_drafting=True, cache=False), model, "a")
+    context = [40, 41, 42, 43]
+    assert (await policy.propose(context, 4, 10)).source != MODEL and model.calls == []   # not awaited
+    await asyncio.sleep(0.05)
+    assert model.prefills == [context]                   # sent in the background
+    assert (await policy.propose(context, 4, 10)).source == MODEL and model.calls == [4]
+    assert model.prefills == [context]
+
+    busy = FakeModel()
+    busy.link = DraftLink()
+    policy = build_policy(tiers(suffix_drafting=True, cache=False), busy, "a")
+    assert isinstance(policy.rule, SuffixRule)
+    for _ in range(5):                                  # 15 other rows in every forward, the model measured dear
+        policy.rule.choice.observe_verify(4, 0.1, VerifyCost(0.4, 1, 20, 15, 15))
+        policy.rule.choice.observe_cost("model", 0.3)
+    assert not policy.rule.choice.could_pay("model", 4)
+    assert (await policy.propose(context, 4, 10)).source != MODEL
+    await asyncio.sleep(0.05)
+    assert busy.prefills == [] and busy.calls == []

@@ -201,7 +201,7 @@ class _BackingOffModel:
     """A draft model whose link failed: `link.backoff_rounds` rounds without model drafts, then it drafts."""
 
     def __init__(self, backoff_rounds: int) -> None:
-        self.link = DraftLink()
+        self.link = DraftLink(bound=True)           # prefilled beside the verifier, as a request alone is
         self.link.backoff_rounds = backoff_rounds
         self.num_calls = self.num_prefetch_hits = self.bytes_sent = self.bytes_received = 0
         self.tree_width, self.tree_pricing = 0, None      # (the ModelProposer protocol: chains)
