@@ -210,3 +210,17 @@ async def test_a_model_round_never_waits_for_the_draft_service_to_prefill_the_co
     assert (await policy.propose(context, 4, 10)).source != MODEL
     await asyncio.sleep(0.05)
     assert busy.prefills == [] and busy.calls == []
+
+
+async def test_no_model_round_while_the_draft_service_prefills_the_prompt() -> None:
+    """The round loop sends the draft prefill after the verifier's, in the background (its first token does not wait
+    for it): until it is done the suffix rule drafts without the model rather than wait for it."""
+    model = FakeModel()
+    policy = build_policy(tiers(suffix_drafting=True, cache=False), model, "a")
+    prefill = asyncio.ensure_future(policy.prefill([40, 41, 42, 43], 4))
+    await asyncio.sleep(0)
+    assert policy.proposers.model_prefilling
+    assert (await policy.propose([40, 41, 42, 43], 4, 10)).source != MODEL and model.calls == []
+    await prefill
+    assert not policy.proposers.model_prefilling
+    assert (await policy.propose([40, 41, 42, 43], 4, 10)).source == MODEL and model.calls == [4]

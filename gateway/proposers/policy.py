@@ -36,7 +36,11 @@ class ProposerPolicy:
 
     async def prefill(self, prompt_ids: list[int], num_tokens: int) -> None:
         if self.proposers.model is not None:
-            await self.proposers.model.prefill(prompt_ids, num_tokens)
+            self.proposers.model_prefilling = True       # (suffix drafting offers no model round meanwhile)
+            try:
+                await self.proposers.model.prefill(prompt_ids, num_tokens)
+            finally:
+                self.proposers.model_prefilling = False
             self.proposers.count_bytes()
 
     def prefetch(self, context_ids: list[int], draft: Draft, num_tokens: int) -> None:

@@ -22,6 +22,7 @@ class ProposerSet:
     ngram: NgramProposer | None = None
     local_suffix: LocalSuffixProposer | None = None
     shared_suffix: SharedSuffixProposer | None = None
+    model_prefilling: bool = False               # the draft service is prefilling the request's context now
     _bytes_counted: tuple[int, int] = (0, 0)     # the model's bytes sent / received already counted
 
     def count(self, source: int, ids: list[int]) -> Draft | None:

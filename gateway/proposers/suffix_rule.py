@@ -80,6 +80,8 @@ class SuffixRule:
         context, as before); where it could not, the draft service is left alone (its CPU is the verifier's)."""
         model = self.proposers.model
         assert model is not None
+        if self.proposers.model_prefilling:          # the one the round loop sent after the verifier's prefill
+            return False
         if self._model_prefill is not None:
             return self._model_prefill.done()
         if model.link.bound:
