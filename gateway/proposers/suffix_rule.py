@@ -9,7 +9,6 @@ Counters: local suffix rounds count under the `ngram` tier, shared-store rounds 
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from gateway.proposers.base import NO_DRAFT, Draft
@@ -30,7 +29,6 @@ class SuffixRule:
         self.proposers, self.cost_model, self.choice = proposers, cost_model, choice
         self.local_max_tokens, self.max_branches = local_max_tokens, max(1, max_branches)
         self._round: SuffixRound | None = None
-        self._model_prefill: asyncio.Future[None] | None = None
 
     async def propose(self, context_ids: list[int], num_tokens: int, room: int) -> Draft:
         self._note(None)
@@ -40,7 +38,7 @@ class SuffixRule:
         options = {p: (self.choice.expected_suffix(p, prop), len(prop.token_ids))
                    for p, prop in proposals.items() if prop.token_ids}
         if self.proposers.model is not None and num_tokens > 0 and self.proposers.model_round_allowed() \
-                and self._model_holds_context(context_ids, num_tokens):
+                and self._model_holds_context():
             options[MODEL] = (self.choice.expected_model(num_tokens), num_tokens)
         best = self.choice.choose(options) if options else None
         suffix_from = max((LOCAL, GLOBAL), key=lambda p: options.get(p, (0.0, 0))[0])     # LOCAL on a tie
@@ -71,26 +69,14 @@ class SuffixRule:
             return Draft(draft.token_ids[:done.model_len], dists, draft.source)
         return draft
 
-    def _model_holds_context(self, context_ids: list[int], num_tokens: int) -> bool:
+    def _model_holds_context(self) -> bool:
         """Whether the draft service holds this request's context, so a model round waits for a block, not for a
-        prefill: under load the draft prefill is skipped where a model round could not pay (gateway/round_loop.py),
-        and when the request later ran alone its first Propose prefilled a ~4k-token document on the draft's one
-        thread, 8.5 s in which its stream got nothing. Not yet: where a model round could pay, the prefill starts in
-        the background and the model is an option once it is done (if it failed, the next Propose carries the whole
-        context, as before); where it could not, the draft service is left alone (its CPU is the verifier's)."""
+        prefill. Under load the draft prefill is skipped where a model round could not pay (gateway/round_loop.py);
+        when such a request later ran alone, its first Propose prefilled a ~4k-token document on the draft's one
+        thread: 8.5 s in which its stream got nothing. So the model drafts only for requests whose draft prefill
+        was sent, once it is done."""
         model = self.proposers.model
-        assert model is not None
-        if self.proposers.model_prefilling:          # the one the round loop sent after the verifier's prefill
-            return False
-        if self._model_prefill is not None:
-            return self._model_prefill.done()
-        if model.link.bound:
-            return True
-        if not self.choice.could_pay(MODEL, num_tokens):
-            return False
-        self._model_prefill = asyncio.ensure_future(model.prefill(list(context_ids), num_tokens))
-        self._model_prefill.add_done_callback(lambda task: task.cancelled() or task.exception())
-        return False
+        return model is not None and model.link.bound and not self.proposers.model_prefilling
 
     def _note(self, round: SuffixRound | None) -> None:
         self._round = round
