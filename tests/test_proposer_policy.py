@@ -194,6 +194,8 @@ async def test_a_model_round_never_waits_for_the_draft_service_to_prefill_the_co
     for _ in range(3):
         assert (await policy.propose([40, 41, 42, 43], 4, 10)).source != MODEL
     assert model.calls == [] and model.prefills == []
+    model.link.num_failures = 1                          # unbound by a failed call: the resend opens it again
+    assert (await policy.propose([40, 41, 42, 43], 4, 10)).source == MODEL and model.calls == [4]
 
 
 async def test_no_model_round_while_the_draft_service_prefills_the_prompt() -> None:

@@ -74,9 +74,12 @@ class SuffixRule:
         prefill. Under load the draft prefill is skipped where a model round could not pay (gateway/round_loop.py);
         when such a request later ran alone, its first Propose prefilled a ~4k-token document on the draft's one
         thread: 8.5 s in which its stream got nothing. So the model drafts only for requests whose draft prefill
-        was sent, once it is done."""
+        was sent, once it is done, and after a failed call (the whole-context resend opens the session on another
+        draft replica, as before)."""
         model = self.proposers.model
-        return model is not None and model.link.bound and not self.proposers.model_prefilling
+        if model is None or self.proposers.model_prefilling:
+            return False
+        return model.link.bound or model.link.num_failures > 0
 
     def _note(self, round: SuffixRound | None) -> None:
         self._round = round
