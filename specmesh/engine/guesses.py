@@ -87,9 +87,11 @@ def best_num_guesses(rate: float, fit: Fit, num_rows: int, max_guesses: int,
                 return t * cost(n) / cost(m)
         return None
 
+    now = seconds(num_rows)
+
     def growth(n: int) -> float:
         """t(n) / t(num_rows)."""
-        now, then = seconds(num_rows), seconds(n)
+        then = seconds(n) if now else None
         return then / now if now and then else cost(n) / cost(num_rows)
 
     best, best_value = 0, 1.0
