@@ -36,9 +36,13 @@ def cpu_list(spec: str) -> set[int]:
     return cpus
 
 
+def cores(taskset: str = "") -> set[int]:
+    """The cpus a child started under `taskset -c <taskset>` ("" = not pinned: this process's own) may run on."""
+    return cpu_list(taskset) if taskset else os.sched_getaffinity(0)
+
+
 def num_cores(taskset: str = "") -> int:
-    """Cores a child started under `taskset -c <taskset>` ("" = not pinned: this process's own) may run on."""
-    return len(cpu_list(taskset)) if taskset else len(os.sched_getaffinity(0))
+    return len(cores(taskset))
 
 
 def verifier_threads_env(num_threads: int, cores: int, shares_host_with_draft: bool,
@@ -61,8 +65,7 @@ def draft_host_share_env(draft_threads: int, verifier_taskset: str, draft_taskse
     services may run on the same cores (neither pinned, or pinned to cpus they share); nothing where they may not
     (the default 0), or where the user set it."""
     name = "SPECMESH_GATEWAY_DRAFT_HOST_SHARE"
-    verifier_cpus = cpu_list(verifier_taskset) if verifier_taskset else os.sched_getaffinity(0)
-    draft_cpus = cpu_list(draft_taskset) if draft_taskset else os.sched_getaffinity(0)
-    if name in user_env or not verifier_cpus & draft_cpus:
+    verifier_cpus = cores(verifier_taskset)
+    if name in user_env or not verifier_cpus & cores(draft_taskset):
         return {}
     return {name: f"{min(1.0, draft_threads / len(verifier_cpus)):.3g}"}
