@@ -53,7 +53,10 @@ async def test_near_context_prefills_beside_drafted_streams(tokenizer) -> None:
     verifier = await start_verifier(max_num_batched_tokens=STEP_BUDGET, max_model_len=MAX_MODEL_LEN, block_size=8,
                                     decode_ahead_tokens=8)
     same, unrelated = await start_draft("tiny-draft"), await start_draft("tiny-draft-unrelated")
-    gateways = [await start_gateway(verifier.addr, same.addr), await start_gateway(verifier.addr, unrelated.addr)]
+    gateways = [await start_gateway(verifier.addr, same.addr), await start_gateway(verifier.addr, unrelated.addr),
+                # the shipped drafting: suffix drafting's choice, its draft prefill after the verifier's, the load term
+                await start_gateway(verifier.addr, same.addr, suffix_drafting=True, enable_cache=True,
+                                    draft_host_share=0.5)]
     try:
         preamble = " ".join(rng.choice(WORDS) for _ in range(60))      # shared: prefix-cache hits between them
         long_jobs = [(near_context_prompt(tokenizer, rng, preamble, MAX_MODEL_LEN - 20 - i), 16 + i)
@@ -62,7 +65,7 @@ async def test_near_context_prefills_beside_drafted_streams(tokenizer) -> None:
         jobs = long_jobs + short_jobs
         assert all(len(tokenizer(p)["input_ids"]) > 3 * STEP_BUDGET for p, _ in long_jobs)
         expected = [reference_greedy(tokenizer(p)["input_ids"], n) for p, n in jobs]
-        runs = [generate(gateways[i % 2].addr, p, max_new_tokens=n, ignore_eos=True,
+        runs = [generate(gateways[i % 3].addr, p, max_new_tokens=n, ignore_eos=True,
                          num_draft_tokens=rng.randint(0, 16)) for i, (p, n) in enumerate(jobs)]
         cancels = [cancel_after_first_token(gateways[0].addr, long_jobs[0][0], 20),
                    cancel_after_first_token(gateways[1].addr, PROMPTS[2], 200)]
