@@ -89,7 +89,8 @@ class Generation:
         # are streamed), so the draft service learns of a rejection at once and drafts while the client is served.
         self.overlap = overlap
         self._next_draft: _NextDraft | None = None
-        self._draft_prefill: asyncio.Future[None] | None = None   # a prefill sent after the verifier's (see _prefill)
+        self._draft_prefill: asyncio.Future[None] | None = None   # a prefill sent after the verifier's (see _prefill;
+                                                                   # cancelled at close if still running)
         # budget, output, finish reason, round counters
         self.state = RequestState(params.prompt_ids, params.max_new_tokens, eos_token_ids, params.ignore_eos)
         if cost_model is not None:
@@ -149,13 +150,10 @@ class Generation:
             self.cost_model.observe_start(reported_by(start))
 
     async def _propose(self, context: list[int], num_tokens: int, room: int) -> Draft:
-        """The drafter's proposal, once a draft prefill sent after the verifier's is done (its failure is left to
-        this round, as an eager prefill's is)."""
+        """The drafter's proposal. A draft prefill sent after the verifier's runs on meanwhile: the suffix rule
+        offers no model round until it is done (`ProposerSet.model_prefilling`), so no round waits for a long
+        context's draft prefill (its failure unbinds the link, as an eager prefill's does)."""
         assert self.drafter is not None
-        if self._draft_prefill is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._draft_prefill)      # a cancelled early draft leaves the prefill running
-            self._draft_prefill = None
         return await self.drafter.propose(context, num_tokens, room)
 
     async def _round(self, round_index: int) -> RoundEvent:

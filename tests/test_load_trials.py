@@ -7,6 +7,7 @@ load is (gateway/verify_cost.py `reported`)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 
@@ -135,30 +136,32 @@ async def test_a_moved_session_prices_its_next_round_beside_the_new_replicas_ses
 
 
 class CountingDrafter:
-    """A drafter that only counts its prefills (and the proposals made once they were done)."""
+    """A drafter that counts its prefills, started and done, and what each proposal found of them."""
 
-    def __init__(self) -> None:
-        self.prefills = 0
-        self.proposals_after_prefill: list[int] = []
+    def __init__(self, prefill_s: float) -> None:
+        self.prefill_s = prefill_s
+        self.prefills_started = self.prefills_done = 0
+        self.proposals: list[tuple[int, int]] = []     # (prefills started, prefills done) at each proposal
 
     async def prefill(self, prompt_ids: list[int], num_tokens: int) -> None:
-        await asyncio.sleep(0.01)
-        self.prefills += 1
+        self.prefills_started += 1
+        await asyncio.sleep(self.prefill_s)
+        self.prefills_done += 1
 
     async def propose(self, context_ids: list[int], num_tokens: int, room: int | None = None) -> Draft:
-        self.proposals_after_prefill.append(self.prefills)
+        self.proposals.append((self.prefills_started, self.prefills_done))
         return NO_DRAFT
 
     async def close(self) -> None: ...
 
 
 async def prefills_made(num_other_requests: int, start: verifier_pb2.StartSessionResponse,
-                        model_s: float = 0.3) -> tuple[int, list[int]]:
+                        model_s: float = 0.3, prefill_s: float = 0.0) -> tuple[int, list[tuple[int, int]]]:
     """A generation's prefill beside `num_other_requests` requests, its verifier answering `start`, then its first
-    proposal: (draft prefills made, prefills done at each proposal)."""
+    proposal: (draft prefills made, (started, done) at each proposal)."""
     choice = measured(0, model_s=model_s)
     choice.model.observe_load(0.0, 0.0)
-    drafter = CountingDrafter()
+    drafter = CountingDrafter(prefill_s)
     params = GenerationParams("r", [1, 2, 3], SamplingParams(), 8, (), 4, True)
     generation = Generation(params, "s", VerifierPool.of_stubs([]), drafter, 5.0,  # type: ignore[arg-type]
                             cost_model=RoundCostModel(None, choice), num_other_requests=num_other_requests)
@@ -167,24 +170,37 @@ async def prefills_made(num_other_requests: int, start: verifier_pb2.StartSessio
         return start
     generation.session.open = open_session          # type: ignore[method-assign]
     await generation._prefill()
+    await asyncio.sleep(0)                          # the prefill task starts
     await generation._propose([1, 2, 3, 7], 4, 4)
     await generation.close()
-    return drafter.prefills, drafter.proposals_after_prefill
+    return drafter.prefills_started, drafter.proposals
 
 
 async def test_the_draft_service_prefills_only_where_its_model_could_pay() -> None:
-    """Alone, the draft service prefills beside the verifier; beside other requests, after the verifier's report,
-    and only if a model round could pay under the load it reported (15 busy rows and a 0.3 s model: it could not,
-    so no prefill; an idle replica, or a fast model beside 3 rows: the prefill is made, and the first proposal waits
-    for it)."""
+    """Alone, the draft service prefills after the verifier; beside other requests only if a model round could pay
+    under the load the verifier reported (15 busy rows and a 0.3 s model: it could not, so no prefill; an idle
+    replica, or a fast model beside 3 rows: the prefill is made)."""
     busy = verifier_pb2.StartSessionResponse(first_token_id=7, token_cost=S, free_tokens=1, num_batch_tokens=17,
                                              num_other_rows=15, num_other_tokens=15, num_sessions=16)
     idle = verifier_pb2.StartSessionResponse(first_token_id=7, token_cost=S, free_tokens=1, num_batch_tokens=3,
                                              num_sessions=1)
-    assert await prefills_made(0, busy) == (1, [1])         # alone at this gateway: eager, whatever the replica
-    assert await prefills_made(3, busy) == (0, [0])
-    assert await prefills_made(3, idle) == (1, [1])
+    assert (await prefills_made(0, busy))[0] == 1           # alone at this gateway: made, whatever the replica
+    assert (await prefills_made(3, busy))[0] == 0
+    assert (await prefills_made(3, idle))[0] == 1
     light = verifier_pb2.StartSessionResponse(first_token_id=7, token_cost=S, free_tokens=1, num_batch_tokens=5,
                                               num_other_rows=3, num_other_tokens=3, num_sessions=4)
-    assert await prefills_made(3, light, model_s=0.001) == (1, [1])         # a fast model could pay beside 3 rows
-    assert await prefills_made(3, light) == (0, [0])
+    assert (await prefills_made(3, light, model_s=0.001))[0] == 1       # a fast model could pay beside 3 rows
+    assert (await prefills_made(3, light))[0] == 0
+
+
+async def test_the_first_round_does_not_wait_for_the_draft_prefill() -> None:
+    """The draft prefill sent after the verifier's runs on while the rounds go (the suffix rule offers no model
+    round until it is done): a long document's draft prefill never holds its stream's first rounds. Before, the
+    first proposal awaited it: a ~4k-token prompt alone waited seconds in its first round for the draft's one
+    thread. A prefill still running when the request ends is cancelled."""
+    idle = verifier_pb2.StartSessionResponse(first_token_id=7, token_cost=S, free_tokens=1, num_batch_tokens=3,
+                                             num_sessions=1)
+    started = time.perf_counter()
+    made, proposals = await prefills_made(0, idle, prefill_s=5.0)
+    assert (made, proposals) == (1, [(1, 0)])               # proposed while the prefill ran
+    assert time.perf_counter() - started < 2.0              # and close cancelled it
