@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import itertools
 import random
+import socket
 
 import grpc
 import pytest
@@ -321,3 +322,31 @@ async def test_a_superseded_prefetch_leaves_the_link_synced(draft) -> None:
     assert drafter.link.state is LinkState.SYNCED and drafter.num_failures == 0
     assert running.engine.num_resets == resets
     await drafter.close()
+
+
+async def test_a_resend_rebinds_in_the_background_and_a_dead_service_backs_off(draft) -> None:
+    """Suffix drafting resends the whole context outside any round after a failed call (ProposerSet.resend_context).
+    A live service is then synced: the next round sends only the delta and drafts what a fresh session would. A
+    service that is still down fails the resend like a round: the link backs off (no whole context every round)."""
+    _, stub = draft
+    drafter = new_drafter(stub)
+    await drafter.resend(CONTEXT, 3)
+    assert drafter.link.state is LinkState.SYNCED and drafter.num_failures == 0
+    sent = drafter.bytes_sent
+    block = await drafter.propose(CONTEXT + [5], 3)
+    assert block.token_ids == await fresh(stub, CONTEXT + [5], 3)
+    assert drafter.bytes_sent - sent < 60                            # the delta, not the context again
+    await drafter.close()
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{closed_port()}") as channel:
+        dead = new_drafter(draft_pb2_grpc.DraftStub(channel))
+        dead.timeout_s = 2.0
+        await dead.resend(CONTEXT, 3)
+        assert dead.num_failures == 1 and dead.link.state is LinkState.BACKOFF
+        assert dead.link.backoff_rounds == BACKOFF_ROUNDS
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

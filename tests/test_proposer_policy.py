@@ -38,6 +38,7 @@ class FakeModel:
         self.num_prefetch_hits = self.bytes_sent = self.bytes_received = 0
         self.calls: list[int] = []
         self.prefills: list[list[int]] = []
+        self.resends: list[list[int]] = []
 
     @property
     def prefetching(self) -> bool:
@@ -54,6 +55,11 @@ class FakeModel:
         self.prefills.append(prompt_ids)
         await asyncio.sleep(0.01)
         self.link.send(prompt_ids)
+
+    async def resend(self, context_ids: list[int], num_tokens: int) -> None:
+        self.resends.append(context_ids)
+        await asyncio.sleep(0.01)
+        self.link.send(context_ids)
 
     def prefetch(self, context_ids: list[int], draft: Draft, num_tokens: int) -> None:
         pass
@@ -194,8 +200,28 @@ async def test_a_model_round_never_waits_for_the_draft_service_to_prefill_the_co
     for _ in range(3):
         assert (await policy.propose([40, 41, 42, 43], 4, 10)).source != MODEL
     assert model.calls == [] and model.prefills == []
-    model.link.num_failures = 1                          # unbound by a failed call: the resend opens it again
-    assert (await policy.propose([40, 41, 42, 43], 4, 10)).source == MODEL and model.calls == [4]
+
+
+async def test_after_a_failed_call_the_context_is_resent_in_the_background_not_in_a_round() -> None:
+    """A failed call unbinds the draft link: the draft service (the replica it reroutes to) needs the whole context
+    again. That resend is a prefill of its own, like the prompt's: the rounds meanwhile draft without the model (a
+    ~4k-token document resent inside a Propose held its stream for the whole draft prefill); once it is done the
+    model is offered again. A resend still running when the request ends is cancelled."""
+    model = FakeModel()
+    model.link = DraftLink(num_failures=1)               # unbound by a failed call
+    policy = build_policy(tiers(suffix_drafting=True, cache=False), model, "a")
+    assert (await policy.propose([40, 41, 42, 43], 4, 10)).source != MODEL
+    assert (await policy.propose([40, 41, 42, 43, 44], 4, 10)).source != MODEL    # one resend, still running
+    await asyncio.sleep(0)
+    assert model.calls == [] and model.resends == [[40, 41, 42, 43]]
+    await asyncio.sleep(0.03)
+    assert not policy.proposers.model_prefilling
+    assert (await policy.propose([40, 41, 42, 43, 44], 4, 10)).source == MODEL and model.calls == [4]
+    model.link = DraftLink(num_failures=2)               # failed again: a resend the request's end cancels
+    assert (await policy.propose([40, 41, 42, 43, 44, 45], 4, 10)).source != MODEL
+    await asyncio.sleep(0)
+    await policy.close()
+    assert not policy.proposers.model_prefilling and len(model.resends) == 2
 
 
 async def test_no_model_round_while_the_draft_service_prefills_the_prompt() -> None:

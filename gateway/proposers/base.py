@@ -90,3 +90,6 @@ class ModelProposer(Drafter, Protocol):
 
     @property
     def prefetching(self) -> bool: ...
+
+    async def resend(self, context_ids: list[int], num_tokens: int) -> None:
+        """After a failed call: the whole context again, outside any round (draft_model.py)."""

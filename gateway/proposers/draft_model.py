@@ -87,6 +87,26 @@ class ModelDrafter:
             if call.call_id == self.link.num_calls:
                 self.link.unbind()
 
+    async def resend(self, context_ids: list[int], num_tokens: int) -> None:
+        """After a failed call: the whole context again (to the replica `reroute` chose), drafting `num_tokens + 1`
+        ahead like a prefill, outside any round. A failure goes through the link as a round's does, so a service
+        that is still down backs off instead of getting the whole context every round."""
+        call = self.link.send(context_ids)
+        try:
+            await self._call(call, 0, num_ahead_tokens=num_tokens + 1)
+        except asyncio.CancelledError:
+            self.link.unbind()                    # the call may or may not have reached the service
+            raise
+        except grpc.aio.AioRpcError as exc:
+            if self.link.on_error(call, exc.code().name) is OnError.FAILURE:
+                self._failed(exc)
+
+    def _failed(self, exc: grpc.aio.AioRpcError) -> None:
+        log.warning("draft service failed (%s: %s); target-only for %d rounds", exc.code().name, exc.details(),
+                    BACKOFF_ROUNDS)
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and self.reroute is not None:
+            self.stub = self.reroute(self.stub)
+
     def prefetch(self, context_ids: list[int], draft: Draft, num_tokens: int) -> None:
         """Called as the verifier starts on `draft`: ask now for the block after it, assuming the whole draft is
         accepted and the target's extra token equals the draft's own next guess (so ask for 1 + num_tokens). The
@@ -138,10 +158,7 @@ class ModelDrafter:
                 if verdict is OnError.RESEND_WHOLE:
                     continue
                 if verdict is OnError.FAILURE:
-                    log.warning("draft service failed (%s: %s); target-only for %d rounds", exc.code().name,
-                                exc.details(), BACKOFF_ROUNDS)
-                    if exc.code() == grpc.StatusCode.UNAVAILABLE and self.reroute is not None:
-                        self.stub = self.reroute(self.stub)
+                    self._failed(exc)
                 return NO_DRAFT
             return _to_draft(response, 0, num_tokens)
         return NO_DRAFT

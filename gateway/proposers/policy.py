@@ -35,13 +35,7 @@ class ProposerPolicy:
         return self.proposers.model
 
     async def prefill(self, prompt_ids: list[int], num_tokens: int) -> None:
-        if self.proposers.model is not None:
-            self.proposers.model_prefilling = True       # (suffix drafting offers no model round meanwhile)
-            try:
-                await self.proposers.model.prefill(prompt_ids, num_tokens)
-            finally:
-                self.proposers.model_prefilling = False
-            self.proposers.count_bytes()
+        await self.proposers.prefill_model(prompt_ids, num_tokens)   # (suffix drafting: no model round meanwhile)
 
     def prefetch(self, context_ids: list[int], draft: Draft, num_tokens: int) -> None:
         """Only a model-drafted round continues the draft service's own block (see ModelDrafter.prefetch)."""
@@ -69,6 +63,7 @@ class ProposerPolicy:
 
     async def close(self) -> None:
         ps = self.proposers
+        await ps.cancel_resend()                         # a whole-context resend still running is not needed
         for writer in (ps.cache, ps.shared_suffix):
             if writer is not None:
                 writer.close()                   # the last positions, with shorter continuations

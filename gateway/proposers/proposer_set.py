@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 from gateway.proposers.base import NO_DRAFT, Draft, ModelProposer
 from gateway.proposers.cache import CacheProposer
@@ -24,6 +27,7 @@ class ProposerSet:
     shared_suffix: SharedSuffixProposer | None = None
     model_prefilling: bool = False               # the draft service is prefilling the request's context now
     _bytes_counted: tuple[int, int] = (0, 0)     # the model's bytes sent / received already counted
+    _resend: asyncio.Future[None] | None = field(default=None, repr=False)   # see resend_context
 
     def count(self, source: int, ids: list[int]) -> Draft | None:
         """A hit (ids) or a miss for the proposer's tier; the draft when it has one."""
@@ -39,6 +43,38 @@ class ProposerSet:
         """False while the draft link backs off after a failure. Each such round uses one backoff round up, as
         `ModelDrafter.propose` does: a round that never asked the model would leave it locked out for good."""
         return self.model is not None and self.model.link.round_allowed()
+
+    async def prefill_model(self, context_ids: list[int], num_tokens: int) -> None:
+        """The draft service computes the context's KV and drafts ahead; suffix drafting offers no model round
+        meanwhile (`model_prefilling`), so no round waits for a long context's draft prefill."""
+        if self.model is not None:
+            await self._prefilling(self.model.prefill, context_ids, num_tokens)
+
+    async def _prefilling(self, call: Callable[[list[int], int], Awaitable[None]], context_ids: list[int],
+                          num_tokens: int) -> None:
+        self.model_prefilling = True
+        try:
+            await call(context_ids, num_tokens)
+        finally:
+            self.model_prefilling = False
+        self.count_bytes()
+
+    def resend_context(self, context_ids: list[int], num_tokens: int) -> None:
+        """After a failed call the draft service (the replica it reroutes to) needs the whole context again. Sent
+        in the background like the prompt's prefill, not in a round: a ~4k-token document resent inside a Propose
+        held its stream for the draft's whole prefill. The model is offered again once it is done."""
+        if self.model is None or self.model_prefilling:
+            return
+        self.model_prefilling = True                 # from now: the rounds until the task runs see it too
+        self._resend = asyncio.ensure_future(self._prefilling(self.model.resend, context_ids, num_tokens))
+
+    async def cancel_resend(self) -> None:
+        task, self._resend = self._resend, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        self.model_prefilling = False
 
     async def from_model(self, context_ids: list[int], num_tokens: int) -> Draft:
         if self.model is None or num_tokens <= 0:

@@ -38,7 +38,7 @@ class SuffixRule:
         options = {p: (self.choice.expected_suffix(p, prop), len(prop.token_ids))
                    for p, prop in proposals.items() if prop.token_ids}
         if self.proposers.model is not None and num_tokens > 0 and self.proposers.model_round_allowed() \
-                and self._model_holds_context():
+                and self._model_holds_context(context_ids, num_tokens):
             options[MODEL] = (self.choice.expected_model(num_tokens), num_tokens)
         best = self.choice.choose(options) if options else None
         suffix_from = max((LOCAL, GLOBAL), key=lambda p: options.get(p, (0.0, 0))[0])     # LOCAL on a tie
@@ -69,17 +69,19 @@ class SuffixRule:
             return Draft(draft.token_ids[:done.model_len], dists, draft.source)
         return draft
 
-    def _model_holds_context(self) -> bool:
+    def _model_holds_context(self, context_ids: list[int], num_tokens: int) -> bool:
         """Whether the draft service holds this request's context, so a model round waits for a block, not for a
         prefill. Under load the draft prefill is skipped where a model round could not pay (gateway/round_loop.py);
         when such a request later ran alone, its first Propose prefilled a ~4k-token document on the draft's one
         thread: 8.5 s in which its stream got nothing. So the model drafts only for requests whose draft prefill
-        was sent, once it is done, and after a failed call (the whole-context resend opens the session on another
-        draft replica, as before)."""
+        was sent, once it is done. After a failed call the whole context goes to the draft service again (another
+        replica) in the background, and the model drafts once that is done (`ProposerSet.resend_context`)."""
         model = self.proposers.model
         if model is None or self.proposers.model_prefilling:
             return False
-        return model.link.bound or model.link.num_failures > 0
+        if not model.link.bound and model.link.num_failures > 0:
+            self.proposers.resend_context(context_ids, num_tokens)
+        return model.link.bound and not self.proposers.model_prefilling
 
     def _note(self, round: SuffixRound | None) -> None:
         self._round = round
