@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -60,7 +61,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add_workload_args(p)
     add_stack_args(p)
     p.add_argument("--only", choices=["all", "throughput", "kv"], default="all")
-    p.add_argument("--streams", default="1,2,4,8", help="concurrency levels")
+    p.add_argument("--streams", default="1,2,4,8",
+                   help="concurrency levels; a level given more than once runs once per mention (paired passes: "
+                        "the median ratio and its spread are printed)")
     p.add_argument("--num-requests", type=int, default=0, help="requests per level (0 = the largest level)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--num-draft-tokens", type=int, default=-1,
@@ -115,7 +118,7 @@ async def run_throughput(addr: str, prompts: list[Prompt], levels: list[int],
             wall, results = await run_level(addr, prompts, streams, mode, args)
             stats = aggregate(results)
             tokens = stats.get("completion_tokens", 0)
-            rows.append({"streams": streams, "mode": mode, "wall_s": wall, "tokens": tokens,
+            rows.append({"streams": streams, "pass": i, "mode": mode, "wall_s": wall, "tokens": tokens,
                          "aggregate_tok_s": tokens / wall, "stats": stats,
                          "requests": [r.to_json() for r in results]})
             log(f"{streams} streams {mode:<6} {tokens} tokens in {wall:6.1f} s = {tokens / wall:7.2f} tok/s"
@@ -141,15 +144,37 @@ def check_outputs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return problems
 
 
+def level_ratios(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Spec over target-only tok/s per concurrency level, one ratio per pass (a level given twice in --streams runs
+    twice, its arms in alternating order): each pass's ratio, their median, min and max. Two arms of one pass ran
+    back to back, so a pair's ratio cancels most of a shared host's drift; the spread between passes is the noise
+    (seen on a 2-core Zen 3: the same 4-stream arm at 36.6 and 43.3 tok/s in one run)."""
+    pairs: dict[tuple[int, int], dict[str, float]] = {}
+    for r in rows:
+        pairs.setdefault((r["streams"], r.get("pass", 0)), {})[r["mode"]] = r["aggregate_tok_s"]
+    by_level: dict[int, list[float]] = {}
+    for (streams, _), arms in sorted(pairs.items()):
+        if "target" in arms and "spec" in arms and arms["target"] > 0:
+            by_level.setdefault(streams, []).append(arms["spec"] / arms["target"])
+    return {streams: {"ratios": ratios, "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+            for streams, ratios in by_level.items()}
+
+
 def print_throughput(rows: list[dict[str, Any]]) -> None:
-    by = {(r["streams"], r["mode"]): r for r in rows}
     print(f"\n{'streams':>8}{'target tok/s':>14}{'spec tok/s':>12}{'spec/target':>13}{'accept':>8}{'tok/round':>11}"
           "  draft sources")
-    for streams in sorted({r["streams"] for r in rows}):
-        t, s = by[(streams, "target")], by[(streams, "spec")]
+    by = {(r["streams"], r.get("pass", 0), r["mode"]): r for r in rows}
+    for streams, i in sorted({(r["streams"], r.get("pass", 0)) for r in rows}):
+        t, s = by.get((streams, i, "target")), by.get((streams, i, "spec"))
+        if t is None or s is None:
+            continue
         print(f"{streams:>8}{t['aggregate_tok_s']:>14.2f}{s['aggregate_tok_s']:>12.2f}"
               f"{s['aggregate_tok_s'] / t['aggregate_tok_s']:>12.2f}x{s['stats'].get('acceptance_rate', 0):>8.2f}"
               f"{s['stats'].get('mean_tokens_per_round', 0):>11.2f}  {format_sources(s['stats'].get('sources', {}))}")
+    repeated = {n: r for n, r in level_ratios(rows).items() if len(r["ratios"]) > 1}
+    for streams, r in repeated.items():
+        print(f"{streams:>8} streams, {len(r['ratios'])} passes: spec/target median {r['median']:.2f}x "
+              f"(min {r['min']:.2f}, max {r['max']:.2f})")
 
 
 # ------------------------------------------------------------------------------------------------- KV accounting
@@ -277,7 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_kv(report)
     name = args.name or f"concurrency-{args.preset}"
     json_path, png_path = result_paths(name)
-    write_json(json_path, {"meta": meta, "throughput": rows, "problems": problems, "kv": report})
+    write_json(json_path, {"meta": meta, "throughput": rows, "ratios": level_ratios(rows), "problems": problems,
+                           "kv": report})
     k = "defaults" if args.num_draft_tokens < 0 else args.num_draft_tokens
     title = f"{name}: {count} requests x {args.max_new_tokens} tokens, k={k}, greedy, ignore_eos"
     plot(rows, report, png_path, title if rows else f"{name}: KV accounting ({report and report['output_lengths']})")
