@@ -23,7 +23,7 @@ import pytest_asyncio
 from draft_service.server import build_draft
 from draft_service.session_sync import place_delta, plan_sync
 from gateway.draft_link import BACKOFF_ROUNDS, DraftLink, LinkCall, LinkState, OnError
-from gateway.proposers.draft_model import ModelDrafter
+from gateway.proposers.draft_model import ModelDrafter, sync_timeout_s
 from protos.specmesh.v1 import draft_pb2_grpc
 from specmesh.config import DraftConfig, EngineConfig
 from specmesh.engine.loop import EngineError
@@ -324,14 +324,18 @@ async def test_a_superseded_prefetch_leaves_the_link_synced(draft) -> None:
     await drafter.close()
 
 
-async def test_a_resend_rebinds_in_the_background_and_a_dead_service_backs_off(draft) -> None:
-    """Suffix drafting resends the whole context outside any round after a failed call (ProposerSet.resend_context).
-    A live service is then synced: the next round sends only the delta and drafts what a fresh session would. A
-    service that is still down fails the resend like a round: the link backs off (no whole context every round)."""
-    _, stub = draft
+async def test_a_sync_is_answered_once_computed_and_a_failed_resend_backs_off(draft) -> None:
+    """Suffix drafting's prefill and its resend after a failed call (ProposerSet.resend_context) send the whole
+    context outside any round and return once the draft service has computed it: the next round sends only the delta
+    and finds the KV there (no wait behind a prefill), drafting what a fresh session would. A resend to a service
+    that is still down fails like a round's call: the link backs off (no whole context every round); a failed
+    prefill only unbinds (that request drafts without the model)."""
+    running, stub = draft
     drafter = new_drafter(stub)
-    await drafter.resend(CONTEXT, 3)
+    await drafter.sync(CONTEXT, 3)
     assert drafter.link.state is LinkState.SYNCED and drafter.num_failures == 0
+    session = running.engine.sessions[drafter.session_id]
+    assert session.seq.num_computed >= len(CONTEXT)                  # computed when answered, not merely held
     sent = drafter.bytes_sent
     block = await drafter.propose(CONTEXT + [5], 3)
     assert block.token_ids == await fresh(stub, CONTEXT + [5], 3)
@@ -341,9 +345,16 @@ async def test_a_resend_rebinds_in_the_background_and_a_dead_service_backs_off(d
     async with grpc.aio.insecure_channel(f"127.0.0.1:{closed_port()}") as channel:
         dead = new_drafter(draft_pb2_grpc.DraftStub(channel))
         dead.timeout_s = 2.0
-        await dead.resend(CONTEXT, 3)
+        await dead.sync(CONTEXT, 3)
+        assert dead.num_failures == 0 and dead.link.state is LinkState.UNBOUND
+        await dead.sync(CONTEXT, 3, resend=True)
         assert dead.num_failures == 1 and dead.link.state is LinkState.BACKOFF
         assert dead.link.backoff_rounds == BACKOFF_ROUNDS
+
+
+def test_a_sync_deadline_grows_with_the_context() -> None:
+    assert sync_timeout_s(30.0, 100) == 30.0
+    assert sync_timeout_s(30.0, 4096) == 120.0
 
 
 def closed_port() -> int:

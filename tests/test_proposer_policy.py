@@ -56,8 +56,8 @@ class FakeModel:
         await asyncio.sleep(0.01)
         self.link.send(prompt_ids)
 
-    async def resend(self, context_ids: list[int], num_tokens: int) -> None:
-        self.resends.append(context_ids)
+    async def sync(self, context_ids: list[int], num_tokens: int, resend: bool = False) -> None:
+        (self.resends if resend else self.prefills).append(context_ids)
         await asyncio.sleep(0.01)
         self.link.send(context_ids)
 

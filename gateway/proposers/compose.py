@@ -31,6 +31,7 @@ def build_policy(tiers: DraftTiers, model: ModelProposer | None, tenant: str | N
     settings, scope = tiers.settings, tiers.scope(tenant)
     proposers = ProposerSet(tiers.stats, model)
     if settings.suffix_drafting:
+        proposers.sync_prefill = True            # no model round until the draft service has computed the context
         choice = ProposerChoice(settings.draft_host_share)
         cost_model = RoundCostModel(length, choice)
         proposers.local_suffix = LocalSuffixProposer(settings.max_branches)

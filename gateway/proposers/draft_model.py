@@ -87,18 +87,27 @@ class ModelDrafter:
             if call.call_id == self.link.num_calls:
                 self.link.unbind()
 
-    async def resend(self, context_ids: list[int], num_tokens: int) -> None:
-        """After a failed call: the whole context again (to the replica `reroute` chose), drafting `num_tokens + 1`
-        ahead like a prefill, outside any round. A failure goes through the link as a round's does, so a service
-        that is still down backs off instead of getting the whole context every round."""
+    async def sync(self, context_ids: list[int], num_tokens: int, resend: bool = False) -> None:
+        """The whole context, outside any round: suffix drafting's prefill, and (`resend`) its resend after a failed
+        call to the replica `reroute` chose. Answered once the draft service has computed the context (the answer
+        carries its first draft token, ignored; `num_tokens` more are drafted ahead), not as soon as it holds it: a
+        Propose for nothing is answered at once while the prefill goes on, and the model round that followed waited
+        for all of it (a ~3,900-token document: 30 s, then DEADLINE_EXCEEDED, its stream frozen meanwhile). The
+        deadline grows with the context (`sync_timeout_s`). A failed prefill leaves the link unbound (no model
+        round for this request); a failed resend goes through the link as a round's call does, so a service that
+        is still down backs off instead of getting the whole context every round."""
         call = self.link.send(context_ids)
         try:
-            await self._call(call, 0, num_ahead_tokens=num_tokens + 1)
+            await self._call(call, 1, num_ahead_tokens=num_tokens, timeout_s=sync_timeout_s(self.timeout_s,
+                                                                                             len(context_ids)))
         except asyncio.CancelledError:
             self.link.unbind()                    # the call may or may not have reached the service
             raise
         except grpc.aio.AioRpcError as exc:
-            if self.link.on_error(call, exc.code().name) is OnError.FAILURE:
+            if not resend:
+                if call.call_id == self.link.num_calls:
+                    self.link.unbind()
+            elif self.link.on_error(call, exc.code().name) is OnError.FAILURE:
                 self._failed(exc)
 
     def _failed(self, exc: grpc.aio.AioRpcError) -> None:
@@ -202,14 +211,15 @@ class ModelDrafter:
         if isinstance(exc, grpc.aio.AioRpcError):
             self.link.on_error(call, exc.code().name)
 
-    async def _call(self, call: LinkCall, num_tokens: int, num_ahead_tokens: int = 0) -> draft_pb2.ProposeResponse:
+    async def _call(self, call: LinkCall, num_tokens: int, num_ahead_tokens: int = 0,
+                    timeout_s: float | None = None) -> draft_pb2.ProposeResponse:
         request = draft_pb2.ProposeRequest(
             session_id=self.session_id, owner_token=self.owner_token, context_len=call.context_len,
             new_token_ids=call.new_token_ids, num_draft_tokens=num_tokens, sampling=sampling_to_proto(self.sampling),
             max_q_entries=self.max_q_entries, num_ahead_tokens=num_ahead_tokens,
             num_assumed_tokens=call.num_assumed_tokens, tree_width=self._round_width)
         self.bytes_sent += request.ByteSize()
-        response: draft_pb2.ProposeResponse = await self.stub.Propose(request, timeout=self.timeout_s)
+        response: draft_pb2.ProposeResponse = await self.stub.Propose(request, timeout=timeout_s or self.timeout_s)
         self.bytes_received += response.ByteSize()
         return response
 
@@ -240,6 +250,15 @@ def _to_draft(response: draft_pb2.ProposeResponse, start: int, num_tokens: int) 
     ids, parents, dists = build_tree(chain, dists, alternatives)
     return Draft(ids, dists, common_pb2.DRAFT_SOURCE_MODEL, parents,
                  likely_branch(response, start, len(chain)) if parents is not None else None)
+
+
+SYNC_TOKENS_PER_TIMEOUT = 1024   # a whole-context sync may take the call timeout per this many context tokens
+
+
+def sync_timeout_s(timeout_s: float, num_context_tokens: int) -> float:
+    """The deadline of a whole-context sync: the call timeout (30 s by default) per 1,024 context tokens, at least
+    one. A ~3,900-token document took the 0.5B draft ~33 s on one AVX2 core: within 114 s, where 30 s failed it."""
+    return timeout_s * max(1.0, num_context_tokens / SYNC_TOKENS_PER_TIMEOUT)
 
 
 CONFIDENT = 0.9    # the draft's top-1 probability assumed where no alternatives were returned (it was >= 0.8)

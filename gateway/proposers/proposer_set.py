@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ class ProposerSet:
     local_suffix: LocalSuffixProposer | None = None
     shared_suffix: SharedSuffixProposer | None = None
     model_prefilling: bool = False               # the draft service is prefilling the request's context now
+    sync_prefill: bool = False                   # the prefill returns once computed (ModelProposer.sync)
     _bytes_counted: tuple[int, int] = (0, 0)     # the model's bytes sent / received already counted
     _resend: asyncio.Future[None] | None = field(default=None, repr=False)   # see resend_context
 
@@ -45,10 +47,13 @@ class ProposerSet:
         return self.model is not None and self.model.link.round_allowed()
 
     async def prefill_model(self, context_ids: list[int], num_tokens: int) -> None:
-        """The draft service computes the context's KV and drafts ahead; suffix drafting offers no model round
-        meanwhile (`model_prefilling`), so no round waits for a long context's draft prefill."""
+        """The draft service computes the context's KV and drafts ahead. With `sync_prefill` (suffix drafting) the
+        call returns once the context is computed and no model round is offered meanwhile (`model_prefilling`), so
+        no round waits for a long context's draft prefill; the tiers' prefill returns as soon as the service holds
+        the context (beside the verifier's prefill: the first token does not wait for the draft's compute)."""
         if self.model is not None:
-            await self._prefilling(self.model.prefill, context_ids, num_tokens)
+            await self._prefilling(self.model.sync if self.sync_prefill else self.model.prefill, context_ids,
+                                   num_tokens)
 
     async def _prefilling(self, call: Callable[[list[int], int], Awaitable[None]], context_ids: list[int],
                           num_tokens: int) -> None:
@@ -66,7 +71,8 @@ class ProposerSet:
         if self.model is None or self.model_prefilling:
             return
         self.model_prefilling = True                 # from now: the rounds until the task runs see it too
-        self._resend = asyncio.ensure_future(self._prefilling(self.model.resend, context_ids, num_tokens))
+        self._resend = asyncio.ensure_future(self._prefilling(functools.partial(self.model.sync, resend=True),
+                                                              context_ids, num_tokens))
 
     async def cancel_resend(self) -> None:
         task, self._resend = self._resend, None
