@@ -89,13 +89,18 @@ class DraftLink:
     def send(self, context_ids: list[int], num_verified: int | None = None) -> LinkCall:
         """The next Propose's sync part for `context_ids`, whose first `num_verified` (default all) are verified."""
         verified = len(context_ids) if num_verified is None else num_verified
-        base = 0
-        if self.bound:
-            base = self.num_synced + common_prefix_len(self.spec_ids, context_ids[self.num_synced:])
-            base = min(base, len(context_ids), self.num_synced + len(self.spec_ids))
+        base = len(context_ids) - self.num_unsynced(context_ids)
         self.num_synced, self.spec_ids, self.bound = verified, list(context_ids[verified:]), True
         self.num_calls += 1
         return LinkCall(self.num_calls, len(context_ids), list(context_ids[base:]), len(context_ids) - verified)
+
+    def num_unsynced(self, context_ids: list[int]) -> int:
+        """How many tokens of `context_ids` the next call would send: those after the longest prefix the service
+        still holds (all of them while unbound)."""
+        if not self.bound:
+            return len(context_ids)
+        base = self.num_synced + common_prefix_len(self.spec_ids, context_ids[self.num_synced:])
+        return len(context_ids) - min(base, len(context_ids), self.num_synced + len(self.spec_ids))
 
     def on_error(self, call: LinkCall, code: str) -> OnError:
         """`code`: the gRPC status name of the failed call."""

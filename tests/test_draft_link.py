@@ -79,7 +79,9 @@ def round_trip(link: DraftLink, service: ScriptedService, context: list[int], k:
     if not link.round_allowed():
         return OnError.SKIP
     for _ in range(2):
+        num_unsynced = link.num_unsynced(context)
         call = link.send(context, num_verified)
+        assert len(call.new_token_ids) == num_unsynced             # what a catch-up check reads is what is sent
         try:
             drafts = service.propose(call, k, owner)
         except EngineError as exc:
@@ -325,7 +327,7 @@ async def test_a_superseded_prefetch_leaves_the_link_synced(draft) -> None:
 
 
 async def test_a_sync_is_answered_once_computed_and_a_failed_resend_backs_off(draft) -> None:
-    """Suffix drafting's prefill and its resend after a failed call (ProposerSet.resend_context) send the whole
+    """Suffix drafting's prefill and its resend after a failed call (ProposerSet.sync_in_background) send the whole
     context outside any round and return once the draft service has computed it: the next round sends only the delta
     and finds the KV there (no wait behind a prefill), drafting what a fresh session would. A resend to a service
     that is still down fails like a round's call: the link backs off (no whole context every round); a failed
@@ -347,7 +349,7 @@ async def test_a_sync_is_answered_once_computed_and_a_failed_resend_backs_off(dr
         dead.timeout_s = 2.0
         await dead.sync(CONTEXT, 3)
         assert dead.num_failures == 0 and dead.link.state is LinkState.UNBOUND
-        await dead.sync(CONTEXT, 3, resend=True)
+        await dead.sync(CONTEXT, 3, backs_off=True)
         assert dead.num_failures == 1 and dead.link.state is LinkState.BACKOFF
         assert dead.link.backoff_rounds == BACKOFF_ROUNDS
 

@@ -12,7 +12,7 @@ from gateway.proposers.base import NO_DRAFT, Draft, Verified, VerifiedTokens
 from gateway.proposers.compose import build_policy
 from gateway.proposers.cost_model import LocalCaps, RoundCostModel, RoundObservation
 from gateway.proposers.policy import ProposerPolicy
-from gateway.proposers.suffix_rule import SuffixRule
+from gateway.proposers.suffix_rule import CATCH_UP_IN_ROUND, SuffixRule
 from gateway.proposers.tier_order import TierOrder
 from gateway.replicas import VerifierPool
 from gateway.request_state import RoundEvent
@@ -56,8 +56,8 @@ class FakeModel:
         await asyncio.sleep(0.01)
         self.link.send(prompt_ids)
 
-    async def sync(self, context_ids: list[int], num_tokens: int, resend: bool = False) -> None:
-        (self.resends if resend else self.prefills).append(context_ids)
+    async def sync(self, context_ids: list[int], num_tokens: int, backs_off: bool = False) -> None:
+        (self.resends if backs_off else self.prefills).append(context_ids)
         await asyncio.sleep(0.01)
         self.link.send(context_ids)
 
@@ -222,6 +222,26 @@ async def test_after_a_failed_call_the_context_is_resent_in_the_background_not_i
     await asyncio.sleep(0)
     await policy.close()
     assert not policy.proposers.model_prefilling and len(model.resends) == 2
+
+
+async def test_a_long_catch_up_goes_in_the_background_and_a_short_one_in_the_round() -> None:
+    """A model round after many suffix or undrafted rounds would wait while the draft service computes every token
+    verified since its last call (beside a long prompt's prefill: 3.3 s for ~1,000). Past CATCH_UP_IN_ROUND tokens
+    the catch-up is sent in the background and the round drafts without the model; once it is computed the model
+    drafts with a short delta, in the round."""
+    model = FakeModel()
+    model.link = DraftLink()
+    model.link.send(list(range(40, 44)))                # the draft service holds the prompt
+    policy = build_policy(tiers(suffix_drafting=True, cache=False), model, "a")
+    assert (await policy.propose(list(range(40, 44 + CATCH_UP_IN_ROUND)), 4, 10)).source == MODEL
+    assert model.calls == [4] and model.resends == []                # a short one: in the round
+    context = list(range(40, 45 + 3 * CATCH_UP_IN_ROUND))
+    model.link.num_synced = 4                                        # the rounds since drafted without the model
+    assert (await policy.propose(context, 4, 10)).source != MODEL and policy.proposers.model_prefilling
+    await asyncio.sleep(0)
+    assert model.calls == [4] and model.resends == [context]
+    await asyncio.sleep(0.03)
+    assert (await policy.propose(context + [7], 4, 10)).source == MODEL and model.calls == [4, 4]
 
 
 async def test_no_model_round_while_the_draft_service_prefills_the_prompt() -> None:

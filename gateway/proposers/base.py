@@ -91,5 +91,5 @@ class ModelProposer(Drafter, Protocol):
     @property
     def prefetching(self) -> bool: ...
 
-    async def sync(self, context_ids: list[int], num_tokens: int, resend: bool = False) -> None:
-        """The whole context, outside any round, answered once the draft service has computed it (draft_model.py)."""
+    async def sync(self, context_ids: list[int], num_tokens: int, backs_off: bool = False) -> None:
+        """The context, outside any round, answered once the draft service has computed it (draft_model.py)."""

@@ -87,28 +87,35 @@ class ModelDrafter:
             if call.call_id == self.link.num_calls:
                 self.link.unbind()
 
-    async def sync(self, context_ids: list[int], num_tokens: int, resend: bool = False) -> None:
-        """The whole context, outside any round: suffix drafting's prefill, and (`resend`) its resend after a failed
-        call to the replica `reroute` chose. Answered once the draft service has computed the context (the answer
+    async def sync(self, context_ids: list[int], num_tokens: int, backs_off: bool = False) -> None:
+        """The context, outside any round: suffix drafting's prefill, the whole context again after a failed call (to
+        the replica `reroute` chose) and a long catch-up (gateway/proposers/suffix_rule.py); each sends what the link
+        says the service lacks. Answered once the draft service has computed the context (the answer
         carries its first draft token, ignored; `num_tokens` more are drafted ahead), not as soon as it holds it: a
         Propose for nothing is answered at once while the prefill goes on, and the model round that followed waited
         for all of it (a ~3,900-token document: 30 s, then DEADLINE_EXCEEDED, its stream frozen meanwhile). The
         deadline grows with the context (`sync_timeout_s`). A failed prefill leaves the link unbound (no model
-        round for this request); a failed resend goes through the link as a round's call does, so a service that
-        is still down backs off instead of getting the whole context every round."""
-        call = self.link.send(context_ids)
-        try:
-            await self._call(call, 1, num_ahead_tokens=num_tokens, timeout_s=sync_timeout_s(self.timeout_s,
-                                                                                             len(context_ids)))
-        except asyncio.CancelledError:
-            self.link.unbind()                    # the call may or may not have reached the service
-            raise
-        except grpc.aio.AioRpcError as exc:
-            if not resend:
-                if call.call_id == self.link.num_calls:
-                    self.link.unbind()
-            elif self.link.on_error(call, exc.code().name) is OnError.FAILURE:
-                self._failed(exc)
+        round for this request); with `backs_off` a failure goes through the link as a round's call does, so a
+        service that is still down backs off instead of getting the whole context every round."""
+        timeout_s = sync_timeout_s(self.timeout_s, len(context_ids))
+        for _ in range(2):                        # at most one whole-context resend (a catch-up the service lost)
+            call = self.link.send(context_ids)
+            try:
+                await self._call(call, 1, num_ahead_tokens=num_tokens, timeout_s=timeout_s)
+                return
+            except asyncio.CancelledError:
+                self.link.unbind()                # the call may or may not have reached the service
+                raise
+            except grpc.aio.AioRpcError as exc:
+                if not backs_off:
+                    if call.call_id == self.link.num_calls:
+                        self.link.unbind()
+                    return
+                verdict = self.link.on_error(call, exc.code().name)
+                if verdict is OnError.FAILURE:
+                    self._failed(exc)
+                if verdict is not OnError.RESEND_WHOLE:
+                    return
 
     def _failed(self, exc: grpc.aio.AioRpcError) -> None:
         log.warning("draft service failed (%s: %s); target-only for %d rounds", exc.code().name, exc.details(),

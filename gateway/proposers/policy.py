@@ -63,7 +63,7 @@ class ProposerPolicy:
 
     async def close(self) -> None:
         ps = self.proposers
-        await ps.cancel_resend()                         # a whole-context resend still running is not needed
+        await ps.cancel_sync()                           # a resend or catch-up still running is not needed
         for writer in (ps.cache, ps.shared_suffix):
             if writer is not None:
                 writer.close()                   # the last positions, with shorter continuations

@@ -29,7 +29,7 @@ class ProposerSet:
     model_prefilling: bool = False               # the draft service is prefilling the request's context now
     sync_prefill: bool = False                   # the prefill returns once computed (ModelProposer.sync)
     _bytes_counted: tuple[int, int] = (0, 0)     # the model's bytes sent / received already counted
-    _resend: asyncio.Future[None] | None = field(default=None, repr=False)   # see resend_context
+    _sync: asyncio.Future[None] | None = field(default=None, repr=False)     # see sync_in_background
 
     def count(self, source: int, ids: list[int]) -> Draft | None:
         """A hit (ids) or a miss for the proposer's tier; the draft when it has one."""
@@ -64,18 +64,19 @@ class ProposerSet:
             self.model_prefilling = False
         self.count_bytes()
 
-    def resend_context(self, context_ids: list[int], num_tokens: int) -> None:
-        """After a failed call the draft service (the replica it reroutes to) needs the whole context again. Sent
-        in the background like the prompt's prefill, not in a round: a ~4k-token document resent inside a Propose
-        held its stream for the draft's whole prefill. The model is offered again once it is done."""
+    def sync_in_background(self, context_ids: list[int], num_tokens: int) -> None:
+        """What the draft service lacks of the context, sent outside any round like the prompt's prefill: the whole
+        context after a failed call (the replica it reroutes to), or a long catch-up. Inside a Propose a ~4k-token
+        document held its stream for the draft's whole prefill, a catch-up of ~1,000 tokens for 3.3 s. The model is
+        offered again once it is computed (`model_prefilling` until then)."""
         if self.model is None or self.model_prefilling:
             return
         self.model_prefilling = True                 # from now: the rounds until the task runs see it too
-        self._resend = asyncio.ensure_future(self._prefilling(functools.partial(self.model.sync, resend=True),
-                                                              context_ids, num_tokens))
+        self._sync = asyncio.ensure_future(self._prefilling(functools.partial(self.model.sync, backs_off=True),
+                                                            context_ids, num_tokens))
 
-    async def cancel_resend(self) -> None:
-        task, self._resend = self._resend, None
+    async def cancel_sync(self) -> None:
+        task, self._sync = self._sync, None
         if task is not None and not task.done():
             task.cancel()
             with contextlib.suppress(BaseException):

@@ -20,6 +20,11 @@ from gateway.suffix_tree import EMPTY, Proposal
 from protos.specmesh.v1 import common_pb2
 from specmesh.spec.rejection import SparseDist
 
+# The most verified tokens a model round's Propose brings the draft service; more are sent in the background. A
+# round after one suffix round brings its accepted tokens plus up to 8 decoded ahead; a catch-up of 32 costs the
+# 0.5B draft ~0.3 s on one AVX2 core, a few of a stream's gaps.
+CATCH_UP_IN_ROUND = 32
+
 SOURCES = {LOCAL: LOCAL_SOURCE, GLOBAL: SHARED_SOURCE, MODEL: common_pb2.DRAFT_SOURCE_MODEL}
 
 
@@ -44,7 +49,8 @@ class SuffixRule:
         suffix_from = max((LOCAL, GLOBAL), key=lambda p: options.get(p, (0.0, 0))[0])     # LOCAL on a tie
         model_len, draft = 0, NO_DRAFT
         if best == MODEL:
-            draft = await self._from_model(context_ids, num_tokens)
+            draft = NO_DRAFT if self._catching_up(context_ids, num_tokens) else \
+                await self._from_model(context_ids, num_tokens)
             model_len = len(draft.token_ids)
             if not draft.token_ids and proposals[suffix_from].token_ids:
                 best = suffix_from                       # the draft service failed or was overtaken this round
@@ -75,13 +81,25 @@ class SuffixRule:
         when such a request later ran alone, its first Propose prefilled a ~4k-token document on the draft's one
         thread: 8.5 s in which its stream got nothing. So the model drafts only for requests whose draft prefill
         was sent, once it is done. After a failed call the whole context goes to the draft service again (another
-        replica) in the background, and the model drafts once that is done (`ProposerSet.resend_context`)."""
+        replica) in the background, and the model drafts once that is done (`ProposerSet.sync_in_background`)."""
         model = self.proposers.model
         if model is None or self.proposers.model_prefilling:
             return False
         if not model.link.bound and model.link.num_failures > 0:
-            self.proposers.resend_context(context_ids, num_tokens)
+            self.proposers.sync_in_background(context_ids, num_tokens)
         return model.link.bound and not self.proposers.model_prefilling
+
+    def _catching_up(self, context_ids: list[int], num_tokens: int) -> bool:
+        """A model round chosen after a run of suffix or undrafted rounds would bring the draft service every token
+        verified since its last call, and wait while it computes them: a stream beside a long prompt's prefill
+        (the draft on its own core) waited 3.3 s for ~1,000 of them, 47x its median gap. Past CATCH_UP_IN_ROUND
+        tokens they go in the background instead (`ProposerSet.sync_in_background`) and this round drafts from the
+        suffix proposals; the model is offered again once they are computed."""
+        model = self.proposers.model
+        if model is None or model.link.num_unsynced(context_ids) <= CATCH_UP_IN_ROUND:
+            return False
+        self.proposers.sync_in_background(context_ids, num_tokens)
+        return True
 
     def _note(self, round: SuffixRound | None) -> None:
         self._round = round
