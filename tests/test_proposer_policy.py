@@ -46,6 +46,7 @@ class FakeModel:
 
     async def propose(self, context_ids: list[int], num_tokens: int, room: int | None = None) -> Draft:
         self.calls.append(num_tokens)
+        self.link.send(context_ids)                 # the service holds the context now (ModelDrafter.propose)
         return Draft([7] * num_tokens, None, MODEL)
 
     def observe(self, draft: Draft, num_accepted: int, verified: Verified, cost: VerifyCost = UNKNOWN_COST) -> None:

@@ -212,6 +212,7 @@ class _BackingOffModel:
 
     async def propose(self, context_ids: list[int], num_tokens: int, room: int | None = None) -> Draft:
         self.num_calls += 1
+        self.link.send(context_ids)                 # the service holds the context now (ModelDrafter.propose)
         return Draft([7] * num_tokens, None, common_pb2.DRAFT_SOURCE_MODEL)
 
 
@@ -238,6 +239,7 @@ class _TreeModel(_BackingOffModel):
 
     async def propose(self, context_ids: list[int], num_tokens: int, room: int | None = None) -> Draft:
         self.num_calls += 1
+        self.link.send(context_ids)
         return Draft([7, 8, 9, 5], None, common_pb2.DRAFT_SOURCE_MODEL, [-1, 0, 1, 0])
 
 
