@@ -11,7 +11,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -74,9 +74,9 @@ class Generation:
                  drafter: Drafter | None, verifier_timeout_s: float, trace_context: Context | None = None,
                  cost_model: RoundCostModel | None = None, prefetch: bool = False,
                  overlap: bool = False, eos_token_ids: frozenset[int] = frozenset(), max_failovers: int = 3,
-                 on_move: OnMove | None = None, num_other_requests: int = 0) -> None:
+                 on_move: OnMove | None = None, other_requests: Callable[[], int] = lambda: 0) -> None:
         self.params = params
-        self.num_other_requests = num_other_requests   # the gateway's requests running when this one started
+        self.other_requests = other_requests        # the gateway's other requests running now (read after the prefill)
         self.trace_context = trace_context          # the request span: parent of the prefill / round spans
         self.session_id = session_id
         self._on_move = on_move
@@ -141,7 +141,9 @@ class Generation:
             return start
         start = await self._start_session()
         self._observe_start(start)
-        if self.num_other_requests == 0 or self.cost_model.model_could_pay(k):
+        # Counted now, not at arrival: the first request of a burst arrived alone, but by its first token the others
+        # run beside it (4 streams starting together: one draft prefill and model trials a level, for nothing).
+        if self.other_requests() == 0 or self.cost_model.model_could_pay(k):
             self._draft_prefill = asyncio.ensure_future(drafter.prefill(self.params.prompt_ids, k))
         return start
 

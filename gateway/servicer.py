@@ -56,7 +56,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.verifiers = verifiers                  # replicas; placement picks one per session (gateway/placement.py)
         self.draft = draft
         self._cleanups: set[asyncio.Task[None]] = set()
-        self._num_running = 0             # requests past admission and not yet ended (their generations' load hint)
+        self._num_running = 0             # requests past admission and not yet ended (their generations' load hint;
+                                          # a generation is counted from before its prefill)
         self.outcomes = RoundOutcomes()             # how model-drafted rounds ended (gateway-wide counters)
         self.priors = LearnedPriors() if config.learned_priors else None   # what ended requests measured
         self.quotas = TenantQuotas.from_config(config)  # per-tenant streams and queued tokens (keys file)
@@ -137,7 +138,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                 trace_context, drafting.cost_model, prefetch=self.config.draft_prefetch,
                                 overlap=self.config.overlap, eos_token_ids=self.model.eos_token_ids,
                                 max_failovers=self.config.max_failovers, on_move=self._count_failover,
-                                num_other_requests=self._num_running)
+                                other_requests=lambda: self._num_running - 1)
         generation.session.cleanup_retry_s = self.config.end_session_retry_s
         generation.state.listeners.append(self._count_outcome)
         return generation

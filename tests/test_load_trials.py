@@ -156,17 +156,22 @@ class CountingDrafter:
 
 
 async def prefills_made(num_other_requests: int, start: verifier_pb2.StartSessionResponse,
-                        model_s: float = 0.3, prefill_s: float = 0.0) -> tuple[int, list[tuple[int, int]]]:
-    """A generation's prefill beside `num_other_requests` requests, its verifier answering `start`, then its first
-    proposal: (draft prefills made, (started, done) at each proposal)."""
+                        model_s: float = 0.3, prefill_s: float = 0.0,
+                        arrived_alone: bool = False) -> tuple[int, list[tuple[int, int]]]:
+    """A generation's prefill beside `num_other_requests` requests (`arrived_alone`: they started while its verifier
+    prefilled), its verifier answering `start`, then its first proposal: (draft prefills made, (started, done) at
+    each proposal)."""
     choice = measured(0, model_s=model_s)
     choice.model.observe_load(0.0, 0.0)
     drafter = CountingDrafter(prefill_s)
     params = GenerationParams("r", [1, 2, 3], SamplingParams(), 8, (), 4, True)
     generation = Generation(params, "s", VerifierPool.of_stubs([]), drafter, 5.0,  # type: ignore[arg-type]
-                            cost_model=RoundCostModel(None, choice), num_other_requests=num_other_requests)
+                            cost_model=RoundCostModel(None, choice), other_requests=lambda: running)
+    running = 0 if arrived_alone else num_other_requests
 
     async def open_session(prompt_ids: list[int], max_new_tokens: int) -> verifier_pb2.StartSessionResponse:
+        nonlocal running
+        running = num_other_requests
         return start
     generation.session.open = open_session          # type: ignore[method-assign]
     await generation._prefill()
@@ -191,6 +196,16 @@ async def test_the_draft_service_prefills_only_where_its_model_could_pay() -> No
                                               num_other_rows=3, num_other_tokens=3, num_sessions=4)
     assert (await prefills_made(3, light, model_s=0.001))[0] == 1       # a fast model could pay beside 3 rows
     assert (await prefills_made(3, light))[0] == 0
+
+
+async def test_the_first_request_of_a_burst_is_not_alone_by_its_first_token() -> None:
+    """Alone is judged when the draft prefill is decided, after the verifier's: the first of 4 streams starting
+    together arrived alone, but by its first token 3 others ran beside it (it made a draft prefill and model trials
+    every level of the concurrency bench, 0.2-1.6 s of the draft's CPU on the verifier's cores)."""
+    busy = verifier_pb2.StartSessionResponse(first_token_id=7, token_cost=S, free_tokens=1, num_batch_tokens=17,
+                                             num_other_rows=15, num_other_tokens=15, num_sessions=16)
+    assert (await prefills_made(3, busy, arrived_alone=True))[0] == 0
+    assert (await prefills_made(0, busy, arrived_alone=True))[0] == 1
 
 
 async def test_the_first_round_does_not_wait_for_the_draft_prefill() -> None:
