@@ -67,7 +67,7 @@ class ProposerSet:
     def sync_in_background(self, context_ids: list[int], num_tokens: int) -> None:
         """What the draft service lacks of the context, sent outside any round like the prompt's prefill: the whole
         context after a failed call (the replica it reroutes to), or a long catch-up. Inside a Propose a ~4k-token
-        document held its stream for the draft's whole prefill, a catch-up of ~1,000 tokens for 3.3 s. The model is
+        document held its stream for the draft's whole prefill, a long catch-up for 3.3 s. The model is
         offered again once it is computed (`model_prefilling` until then)."""
         if self.model is None or self.model_prefilling:
             return

@@ -92,7 +92,7 @@ class SuffixRule:
     def _catching_up(self, context_ids: list[int], num_tokens: int) -> bool:
         """A model round chosen after a run of suffix or undrafted rounds would bring the draft service every token
         verified since its last call, and wait while it computes them: a stream beside a long prompt's prefill
-        (the draft on its own core) waited 3.3 s for ~1,000 of them, 47x its median gap. Past CATCH_UP_IN_ROUND
+        (the draft on its own core) waited 3.3 s, 47x its median gap (up to ~1,000 of them). Past CATCH_UP_IN_ROUND
         tokens they go in the background instead (`ProposerSet.sync_in_background`) and this round drafts from the
         suffix proposals; the model is offered again once they are computed."""
         model = self.proposers.model
