@@ -98,24 +98,18 @@ class ModelDrafter:
         round for this request); with `backs_off` a failure goes through the link as a round's call does, so a
         service that is still down backs off instead of getting the whole context every round."""
         timeout_s = sync_timeout_s(self.timeout_s, len(context_ids))
-        for _ in range(2):                        # at most one whole-context resend (a catch-up the service lost)
-            call = self.link.send(context_ids)
-            try:
-                await self._call(call, 1, num_ahead_tokens=num_tokens, timeout_s=timeout_s)
-                return
-            except asyncio.CancelledError:
-                self.link.unbind()                # the call may or may not have reached the service
-                raise
-            except grpc.aio.AioRpcError as exc:
-                if not backs_off:
-                    if call.call_id == self.link.num_calls:
-                        self.link.unbind()
-                    return
-                verdict = self.link.on_error(call, exc.code().name)
-                if verdict is OnError.FAILURE:
-                    self._failed(exc)
-                if verdict is not OnError.RESEND_WHOLE:
-                    return
+        if backs_off:
+            await self._linked_call(context_ids, 1, num_tokens, timeout_s)
+            return
+        call = self.link.send(context_ids)
+        try:
+            await self._call(call, 1, num_tokens, timeout_s)
+        except asyncio.CancelledError:
+            self.link.unbind()                    # the call may or may not have reached the service
+            raise
+        except grpc.aio.AioRpcError:
+            if call.call_id == self.link.num_calls:
+                self.link.unbind()
 
     def _failed(self, exc: grpc.aio.AioRpcError) -> None:
         log.warning("draft service failed (%s: %s); target-only for %d rounds", exc.code().name, exc.details(),
@@ -162,10 +156,17 @@ class ModelDrafter:
         if num_tokens <= 0 or not self.link.round_allowed():
             return NO_DRAFT
         self._round_width = self.tree_pricing(self.tree_width) if self.tree_pricing else self.tree_width
-        for _ in range(2):                        # at most one whole-context resend
+        response = await self._linked_call(context_ids, num_tokens)
+        return NO_DRAFT if response is None else _to_draft(response, 0, num_tokens)
+
+    async def _linked_call(self, context_ids: list[int], num_tokens: int, num_ahead_tokens: int = 0,
+                           timeout_s: float | None = None) -> draft_pb2.ProposeResponse | None:
+        """A Propose of `context_ids` with at most one whole-context resend (the service lost the session); a failure
+        goes through the link (backoff, reroute). None: no answer this time."""
+        for _ in range(2):
             call = self.link.send(context_ids)
             try:
-                response = await self._call(call, num_tokens)
+                return await self._call(call, num_tokens, num_ahead_tokens, timeout_s)
             except asyncio.CancelledError:
                 self.link.unbind()                # the call may or may not have reached the service
                 raise
@@ -175,9 +176,8 @@ class ModelDrafter:
                     continue
                 if verdict is OnError.FAILURE:
                     self._failed(exc)
-                return NO_DRAFT
-            return _to_draft(response, 0, num_tokens)
-        return NO_DRAFT
+                return None
+        return None
 
     async def _take_prefetch(self, context_ids: list[int], num_tokens: int) -> Draft | None:
         """The prefetched block if the verified context is what it assumed: the whole draft, then the guess."""

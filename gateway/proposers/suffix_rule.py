@@ -87,7 +87,7 @@ class SuffixRule:
             return False
         if not model.link.bound and model.link.num_failures > 0:
             self.proposers.sync_in_background(context_ids, num_tokens)
-        return model.link.bound and not self.proposers.model_prefilling
+        return model.link.bound
 
     def _catching_up(self, context_ids: list[int], num_tokens: int) -> bool:
         """A model round chosen after a run of suffix or undrafted rounds would bring the draft service every token
