@@ -300,6 +300,38 @@ async def test_expired_lease_is_resent_whole() -> None:
         await running.stop()
 
 
+async def test_a_lost_session_of_a_long_context_is_not_resent_in_the_round(draft) -> None:
+    """With `resend_in_round_max` (suffix drafting), a round whose Propose finds the session gone (a restart, an
+    expired lease) does not resend a longer context whole inside the round, where the draft's prefill of it would
+    hold the stream: the round gets no drafts, the link is left unbound (no failure, no backoff), and the resend
+    outside the round (`sync`) rebinds it with drafts a fresh session would make. A short context is resent in the
+    round as before."""
+    _, stub = draft
+    restarted = await start_draft("tiny-draft")                     # a fresh process holds no sessions
+    try:
+        async with grpc.aio.insecure_channel(restarted.addr) as channel:
+            for resend_max, long in ((len(CONTEXT) + 2, True), (len(CONTEXT) + 8, False)):
+                drafter = new_drafter(stub)
+                drafter.resend_in_round_max = resend_max
+                first = await drafter.propose(CONTEXT, 3)
+                drafter.stub = draft_pb2_grpc.DraftStub(channel)    # the service lost the session
+                context = CONTEXT + first.token_ids + [7]
+                sent = drafter.bytes_sent
+                again = await drafter.propose(context, 3)
+                assert drafter.link.num_resends == 1 and drafter.num_failures == 0
+                if long:
+                    assert again.token_ids == [] and drafter.link.state is LinkState.UNBOUND
+                    assert drafter.bytes_sent - sent < 60                  # the delta only, never the whole context
+                    await drafter.sync(context, 3, backs_off=True)
+                    assert drafter.link.state is LinkState.SYNCED
+                    context = context + [9]
+                    again = await drafter.propose(context, 3)
+                assert again.token_ids == await fresh(stub, context, 3)
+                await drafter.close()
+    finally:
+        await restarted.stop()
+
+
 async def test_another_owner_token_is_refused_and_backs_off(draft) -> None:
     _, stub = draft
     owner = new_drafter(stub, "owned-session")

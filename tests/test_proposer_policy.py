@@ -35,6 +35,7 @@ class FakeModel:
     def __init__(self) -> None:
         self.link = DraftLink(bound=True)           # prefilled beside the verifier, as a request alone is
         self.tree_width, self.tree_pricing = 0, None
+        self.resend_in_round_max: int | None = None
         self.num_prefetch_hits = self.bytes_sent = self.bytes_received = 0
         self.calls: list[int] = []
         self.prefills: list[list[int]] = []
@@ -223,6 +224,21 @@ async def test_after_a_failed_call_the_context_is_resent_in_the_background_not_i
     await asyncio.sleep(0)
     await policy.close()
     assert not policy.proposers.model_prefilling and len(model.resends) == 2
+
+
+async def test_a_session_the_service_lost_is_resent_in_the_background() -> None:
+    """Suffix drafting's rounds resend a lost draft session (NOT_FOUND: a restart, an expired lease) outside the
+    round, as after a failure: the composer caps what a round's Propose resends whole, and a link left unbound by
+    such a resend (no failure) is synced in the background, the model offered again once it is done."""
+    model = FakeModel()
+    policy = build_policy(tiers(suffix_drafting=True, cache=False), model, "a")
+    assert model.resend_in_round_max == CATCH_UP_IN_ROUND
+    model.link = DraftLink(num_resends=1)                # the round's Propose found the session gone
+    assert (await policy.propose([40, 41, 42, 43], 4, 10)).source != MODEL and policy.proposers.model_prefilling
+    await asyncio.sleep(0)
+    assert model.calls == [] and model.resends == [[40, 41, 42, 43]]
+    await asyncio.sleep(0.03)
+    assert (await policy.propose([40, 41, 42, 43, 44], 4, 10)).source == MODEL and model.calls == [4]
 
 
 async def test_a_long_catch_up_goes_in_the_background_and_a_short_one_in_the_round() -> None:

@@ -84,6 +84,7 @@ class ModelProposer(Drafter, Protocol):
     link: DraftLink
     tree_width: int
     tree_pricing: Callable[[int], int] | None
+    resend_in_round_max: int | None
     num_prefetch_hits: int
     bytes_sent: int
     bytes_received: int

@@ -15,7 +15,7 @@ from gateway.proposers.ngram import NgramProposer
 from gateway.proposers.policy import ProposerPolicy
 from gateway.proposers.proposer_set import ProposerSet
 from gateway.proposers.suffix import LocalSuffixProposer, SharedSuffixProposer
-from gateway.proposers.suffix_rule import SuffixRule
+from gateway.proposers.suffix_rule import CATCH_UP_IN_ROUND, SuffixRule
 from gateway.proposers.tier_order import TierOrder
 from gateway.round_outcomes import RoundOutcomes
 from gateway.suffix_choice import ProposerChoice
@@ -32,6 +32,8 @@ def build_policy(tiers: DraftTiers, model: ModelProposer | None, tenant: str | N
     proposers = ProposerSet(tiers.stats, model)
     if settings.suffix_drafting:
         proposers.sync_prefill = True            # no model round until the draft service has computed the context
+        if model is not None:                    # ... nor while it recomputes a lost session's (a restart, a lease)
+            model.resend_in_round_max = CATCH_UP_IN_ROUND
         choice = ProposerChoice(settings.draft_host_share)
         cost_model = RoundCostModel(length, choice)
         proposers.local_suffix = LocalSuffixProposer(settings.max_branches)

@@ -66,6 +66,10 @@ class ModelDrafter:
     bytes_received: int = 0
     _prefetch: _Prefetch | None = None
     cleanup_retry_s: float = END_SESSION_RETRY_S   # EndSession retried up to this long (gateway/cleanup.py)
+    # The longest context a round's Propose resends whole after NOT_FOUND (restart, lease expiry); a longer one is
+    # left unbound for the caller to resend outside the round (suffix drafting: `ProposerSet.sync_in_background`).
+    # None: any (the tiers, whose rounds have nothing else to draft with).
+    resend_in_round_max: int | None = None
 
     @property
     def num_failures(self) -> int:
@@ -156,13 +160,16 @@ class ModelDrafter:
         if num_tokens <= 0 or not self.link.round_allowed():
             return NO_DRAFT
         self._round_width = self.tree_pricing(self.tree_width) if self.tree_pricing else self.tree_width
-        response = await self._linked_call(context_ids, num_tokens)
+        response = await self._linked_call(context_ids, num_tokens, resend_max=self.resend_in_round_max)
         return NO_DRAFT if response is None else _to_draft(response, 0, num_tokens)
 
     async def _linked_call(self, context_ids: list[int], num_tokens: int, num_ahead_tokens: int = 0,
-                           timeout_s: float | None = None) -> draft_pb2.ProposeResponse | None:
-        """A Propose of `context_ids` with at most one whole-context resend (the service lost the session); a failure
-        goes through the link (backoff, reroute). None: no answer this time."""
+                           timeout_s: float | None = None,
+                           resend_max: int | None = None) -> draft_pb2.ProposeResponse | None:
+        """A Propose of `context_ids` with at most one whole-context resend (the service lost the session), made
+        only for contexts of at most `resend_max` tokens (None: any; a longer one is left unbound: inside a round its
+        draft prefill would hold the stream); a failure goes through the link (backoff, reroute). None: no answer
+        this time."""
         for _ in range(2):
             call = self.link.send(context_ids)
             try:
@@ -173,6 +180,8 @@ class ModelDrafter:
             except grpc.aio.AioRpcError as exc:
                 verdict = self.link.on_error(call, exc.code().name)
                 if verdict is OnError.RESEND_WHOLE:
+                    if resend_max is not None and len(context_ids) > resend_max:
+                        return None
                     continue
                 if verdict is OnError.FAILURE:
                     self._failed(exc)

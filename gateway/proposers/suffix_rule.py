@@ -81,11 +81,13 @@ class SuffixRule:
         when such a request later ran alone, its first Propose prefilled a ~4k-token document on the draft's one
         thread: 8.5 s in which its stream got nothing. So the model drafts only for requests whose draft prefill
         was sent, once it is done. After a failed call the whole context goes to the draft service again (another
-        replica) in the background, and the model drafts once that is done (`ProposerSet.sync_in_background`)."""
+        replica) in the background, and the model drafts once that is done (`ProposerSet.sync_in_background`); so does
+        it after the service lost the session (NOT_FOUND: a restart, an expired lease) where the context is longer
+        than a round may resend (`ModelDrafter.resend_in_round_max`)."""
         model = self.proposers.model
         if model is None or self.proposers.model_prefilling:
             return False
-        if not model.link.bound and model.link.num_failures > 0:
+        if not model.link.bound and (model.link.num_failures > 0 or model.link.num_resends > 0):
             self.proposers.sync_in_background(context_ids, num_tokens)
         return model.link.bound
 
