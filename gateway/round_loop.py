@@ -129,8 +129,9 @@ class Generation:
         ahead) beside the verifier. With suffix drafting the verifier's prefill comes first, alone on the cores, and
         its first token goes out without waiting for the draft's (2 cores, prompts up to 4k tokens at 0.1/s: TTFT p50
         8.9 s against target-only's 4.4 s while the two prefills shared the cores); the draft service prefills after
-        it, and no model round is offered until that is done (gateway/proposers/suffix_rule.py). Beside others, only
-        if a draft model round could pay under the load the verifier reported (`RoundCostModel.model_could_pay`): a
+        it, and no model round is offered until that is done (gateway/proposers/suffix_rule.py). Beside others (or alone
+        with the draft on the verifier's cores), only if a draft model round could pay at its best under the load the
+        verifier reported (`RoundCostModel.model_could_pay`): a
         model that could not pay is not chosen, and its prefill only took CPU from the services sharing the host
         (8 streams of the real pair: ~1.9 s of the draft service's CPU per 16 requests that drafted 10 tokens)."""
         drafter, k = self.drafter, self.params.num_draft_tokens
@@ -143,7 +144,7 @@ class Generation:
         self._observe_start(start)
         # Counted now, not at arrival: the first request of a burst arrived alone, but by its first token the others
         # run beside it (4 streams starting together: one draft prefill and model trials a level, for nothing).
-        if self.other_requests() == 0 or self.cost_model.model_could_pay(k):
+        if self.cost_model.model_could_pay(k, alone=self.other_requests() == 0):
             self._draft_prefill = asyncio.ensure_future(drafter.prefill(self.params.prompt_ids, k))
         return start
 

@@ -32,7 +32,10 @@ round could not beat target-only even if every drafted token were accepted at `B
 the same rate with its measured cost and the load term): there the others' lost tokens and the proposer's own time
 rule it out whatever the round would find (8 streams of the real pair, 2-core Zen 4: the draft model's round took
 ~570 ms beside ~160 ms target-only rounds, and the trials were most of its 34 rounds). Alone, a trial is always
-made: a noisy cost measure (a tiny model's milliseconds) must not stop the acceptance from being measured. The
+made where the draft service has a host of its own: a noisy cost measure (a tiny model's milliseconds) must not stop
+the acceptance from being measured. With the draft on the verifier's cores (`draft_host_share` > 0, as `specmesh up`
+and the benchmarks' stacks set it on 2 cores) the trials, and the draft prefill they need, take the verifier's cores,
+so there alone is priced as under load: no trial where the best case could not pay. The
 request's first round knows the load: the verifier reports it with the prefill (StartSessionResponse), and a probe
 counts what its rows take from the others in its budget, as the adaptive draft length's probes do.
 """
@@ -226,11 +229,15 @@ class ProposerChoice:
         return self.round_s(proposer, num_tokens) - best_s + max(0.0, taken) * best_s
 
     def could_pay(self, proposer: str, num_tokens: int) -> bool:
-        """Alone (no other rows in the forward): always. Under load: whether a round of `num_tokens` drafts by
+        """Alone (no other rows in the forward) with the draft service on a host of its own: always. Under load, or
+        with the draft on the verifier's cores (`draft_host_share` > 0): whether a round of `num_tokens` drafts by
         `proposer` would beat target-only if each draft were accepted at BEST_CASE_ACCEPTANCE, at the proposer's
         measured cost (unmeasured: free) and what its rows take from the others (16 streams of the real pair on a
-        compute-bound CPU: P(4) ~ 3.9 tokens, more than a 4-token draft can bring)."""
-        if self.load.load_penalty(0) <= 0:       # (no other rows: no contention either)
+        compute-bound CPU: P(4) ~ 3.9 tokens, more than a 4-token draft can bring). On a shared host a hopeless
+        trial is not harmless even alone: a 2-core Zen 1 (extra rows 0.3-0.45 of a forward, the 0.5B draft at ~0.55
+        of the target's time a token) gave one stream's 4-token model trials 452 ms for 3.3 tokens against 95 ms
+        target-only rounds, and the draft prefills made for them slowed the verifier's forwards meanwhile."""
+        if self.load.load_penalty(0) <= 0 and self.draft_host_share <= 0:   # (no other rows: no contention either)
             return True
         best_case = sum(BEST_CASE_ACCEPTANCE ** i for i in range(1, num_tokens + 1))
         return self.rate(proposer, best_case, num_tokens) > self.rate(NONE, 0.0, 0)

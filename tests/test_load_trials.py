@@ -1,6 +1,6 @@
 """Exploration that knows the load (issue 27): under load the suffix choice makes no trial or probe of a proposer
-whose round could not beat target-only even at its best (gateway/suffix_choice.py `could_pay`), alone it always
-tries the draft model; and a request's first round is priced with the load the verifier reported with the prefill
+whose round could not beat target-only even at its best (gateway/suffix_choice.py `could_pay`), nor alone where the
+draft service shares the verifier's cores; alone on a host of its own it always tries the draft model; and a request's first round is priced with the load the verifier reported with the prefill
 (StartSessionResponse's cost and load fields, gateway/proposers/cost_model.py `observe_start`); what a report's
 load is (gateway/verify_cost.py `reported`)."""
 
@@ -27,24 +27,39 @@ from tests.test_paged_verifier import handle_posted
 S = 0.25                       # compute-bound verifier: each row a quarter of a one-row forward more
 
 
-def measured(other_rows: int, model_s: float = 0.3, slope: float = S) -> ProposerChoice:
+def measured(other_rows: int, model_s: float | None = 0.3, slope: float = S,
+             draft_host_share: float = 0.0) -> ProposerChoice:
     """A choice that verified 30 rounds of one token in 0.1 s beside `other_rows` target-only rows, and whose draft
-    model rounds took `model_s` (the cost a request starts from, learned priors or its own first round)."""
-    choice = ProposerChoice()
+    model rounds took `model_s` (the cost a request starts from, learned priors or its own first round; None: not
+    measured yet)."""
+    choice = ProposerChoice(draft_host_share)
     for _ in range(30):
         choice.observe_verify(0, 0.1, VerifyCost(slope, 1, other_rows + 1, other_rows, other_rows))
-    choice.observe_cost(MODEL, model_s)
+    if model_s is not None:
+        choice.observe_cost(MODEL, model_s)
     return choice
 
 
-def test_alone_the_model_gets_its_trials_whatever_the_measured_cost() -> None:
-    """One stream: the trials measure this request's acceptance, even when a noisy slope (a tiny model's
-    milliseconds: 2.0) makes every draft look dear."""
+def test_alone_on_a_host_of_its_own_the_model_gets_its_trials_whatever_the_measured_cost() -> None:
+    """One stream, the draft service on its own host: the trials measure this request's acceptance, even when a
+    noisy slope (a tiny model's milliseconds: 2.0) makes every draft look dear."""
     for slope in (S, 2.0):
         choice = measured(0, slope=slope)
         options = {MODEL: (choice.expected_model(4), 4)}
         assert choice.could_pay(MODEL, 4)
         assert choice.choose(options) == MODEL
+
+
+def test_alone_on_the_verifiers_cores_a_model_that_could_not_pay_gets_no_trial() -> None:
+    """The draft on the verifier's cores (`draft_host_share` 0.5, as on a 2-core host): alone too, a model whose
+    round could not beat target-only even at 0.9 acceptance (0.3 s for 4 drafts beside 0.1 s target-only rounds,
+    each extra row a quarter of a forward: 4.1 tokens in 0.5 s against 10 a second) gets no trial; a fast one (1 ms)
+    does, and so does one not measured yet (free until its first round)."""
+    for model_s, trial in ((0.3, NONE), (0.001, MODEL), (None, MODEL)):
+        choice = measured(0, model_s=model_s, draft_host_share=0.5)
+        assert choice.load.load_penalty(0) == 0
+        assert choice.could_pay(MODEL, 4) == (trial == MODEL)
+        assert choice.choose({MODEL: (choice.expected_model(4), 4)}) == trial, model_s
 
 
 def test_beside_busy_rows_a_slow_model_gets_no_trial_a_fast_one_does() -> None:
@@ -156,12 +171,12 @@ class CountingDrafter:
 
 
 async def prefills_made(num_other_requests: int, start: verifier_pb2.StartSessionResponse,
-                        model_s: float = 0.3, prefill_s: float = 0.0,
-                        arrived_alone: bool = False) -> tuple[int, list[tuple[int, int]]]:
+                        model_s: float = 0.3, prefill_s: float = 0.0, arrived_alone: bool = False,
+                        draft_host_share: float = 0.0) -> tuple[int, list[tuple[int, int]]]:
     """A generation's prefill beside `num_other_requests` requests (`arrived_alone`: they started while its verifier
     prefilled), its verifier answering `start`, then its first proposal: (draft prefills made, (started, done) at
     each proposal)."""
-    choice = measured(0, model_s=model_s)
+    choice = measured(0, model_s=model_s, draft_host_share=draft_host_share)
     choice.model.observe_load(0.0, 0.0)
     drafter = CountingDrafter(prefill_s)
     params = GenerationParams("r", [1, 2, 3], SamplingParams(), 8, (), 4, True)
@@ -196,6 +211,17 @@ async def test_the_draft_service_prefills_only_where_its_model_could_pay() -> No
                                               num_other_rows=3, num_other_tokens=3, num_sessions=4)
     assert (await prefills_made(3, light, model_s=0.001))[0] == 1       # a fast model could pay beside 3 rows
     assert (await prefills_made(3, light))[0] == 0
+
+
+async def test_alone_on_the_verifiers_cores_the_draft_prefills_only_where_its_model_could_pay() -> None:
+    """With the draft service on the verifier's cores, a request alone makes the draft prefill only if a model
+    round could pay at its best: the prefill would take a core from the verifier's forwards for a model that is not
+    going to be chosen (a 0.3 s model beside 0.1 s rounds); a fast one's is made."""
+    idle = verifier_pb2.StartSessionResponse(first_token_id=7, token_cost=S, free_tokens=1, num_batch_tokens=3,
+                                             num_sessions=1)
+    assert (await prefills_made(0, idle, draft_host_share=0.5))[0] == 0
+    assert (await prefills_made(0, idle, model_s=0.001, draft_host_share=0.5))[0] == 1
+    assert (await prefills_made(0, idle))[0] == 1                        # the draft on a host of its own
 
 
 async def test_the_first_request_of_a_burst_is_not_alone_by_its_first_token() -> None:

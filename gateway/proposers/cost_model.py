@@ -122,13 +122,15 @@ class RoundCostModel:
         n = min(room, self.local_caps.caps[source]) if self.local_caps is not None else room
         return self.length.local_draft_cap(n) if self.length is not None else n
 
-    def model_could_pay(self, num_tokens: int) -> bool:
+    def model_could_pay(self, num_tokens: int, alone: bool = False) -> bool:
         """Whether a draft model round of `num_tokens` could beat target-only at its best under the load last
-        reported (the suffix choice's `could_pay`: always alone); without a suffix choice, yes (the adaptive length
-        probes the model itself)."""
+        reported (the suffix choice's `could_pay`); `alone` (the gateway runs no other request): yes unless the draft
+        service shares the verifier's cores. Without a suffix choice, yes (the adaptive length probes the model)."""
         if num_tokens <= 0:
             return False
-        return self.choice is None or self.choice.could_pay(MODEL, num_tokens)
+        if self.choice is None or (alone and self.choice.draft_host_share <= 0):
+            return True
+        return self.choice.could_pay(MODEL, num_tokens)
 
     # ------------------------------------------------------------------ observations
     def drafted_suffix(self, round: SuffixRound | None) -> None:
