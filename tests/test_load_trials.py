@@ -1,8 +1,9 @@
 """Exploration that knows the load (issue 27): under load the suffix choice makes no trial or probe of a proposer
 whose round could not beat target-only even at its best (gateway/suffix_choice.py `could_pay`), nor alone where the
-draft service shares the verifier's cores; alone on a host of its own it always tries the draft model; and a request's first round is priced with the load the verifier reported with the prefill
-(StartSessionResponse's cost and load fields, gateway/proposers/cost_model.py `observe_start`); what a report's
-load is (gateway/verify_cost.py `reported`)."""
+draft service shares the verifier's cores; alone on a host of its own it always tries the draft model; and a
+request's first round is priced with the load the verifier reported with the prefill (StartSessionResponse's cost
+and load fields, gateway/proposers/cost_model.py `observe_start`); what a report's load is (gateway/verify_cost.py
+`reported`)."""
 
 from __future__ import annotations
 
