@@ -24,10 +24,15 @@ from typing import TypeVar
 
 from gateway.controller_memory import ControllerMemory
 from gateway.proposers.cost_model import CostModelMemory, RoundCostModel
-from gateway.suffix_choice import ChoiceMemory
+from gateway.suffix_choice import MODEL, ChoiceMemory
 
 KEEP = 0.5          # weight of the book's evidence per request that ends
 MAX_ROUNDS = 3.0    # a new request starts with at most this many rounds' worth of the book's evidence
+# Every this many requests one starts without the book's draft model cost ("unmeasured = free", suffix_choice.py): a
+# model whose measured cost says it could not pay is not tried again (`could_pay`: under load, or on the verifier's
+# cores), so a cost measured once on a busy moment would otherwise keep it out for good. That request makes the
+# draft prefill and its trials where the load allows them, and what it measures goes back into the book.
+EXPLORE_EVERY = 16
 
 
 M = TypeVar("M", ControllerMemory, ChoiceMemory)
@@ -53,11 +58,16 @@ class LearnedPriors:
         self.keep, self.max_rounds = keep, max_rounds
         self._controllers: dict[PriorKey, ControllerMemory] = {}
         self._choices: dict[PriorKey, ChoiceMemory] = {}
+        self._num_started = 0
 
     def start(self, key: PriorKey, model: RoundCostModel) -> None:
         """Seeds a new request's cost model from its tenant's book, else the gateway's (neither: it starts from
-        its own priors)."""
-        model.remember(CostModelMemory(_book(self._controllers, key), _book(self._choices, key)), self.max_rounds)
+        its own priors); every EXPLORE_EVERY-th without the draft model's cost."""
+        self._num_started += 1
+        choice = _book(self._choices, key)
+        if choice is not None and self._num_started % EXPLORE_EVERY == 0:
+            choice = choice.without_cost(MODEL)
+        model.remember(CostModelMemory(_book(self._controllers, key), choice), self.max_rounds)
 
     def finish(self, key: PriorKey, model: RoundCostModel) -> None:
         """Adds what an ended request's cost model measured to its tenant's book and the gateway's (a request that

@@ -42,6 +42,7 @@ counts what its rows take from the others in its budget, as the adaptive draft l
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -99,6 +100,10 @@ class ChoiceMemory:
             tuple((p, factor * t, factor * w, tuple(factor * a for a in acc), tuple(factor * x for x in pred))
                   for p, t, w, acc, pred in self.calibrations),
             self.model.scaled(factor) if self.model else None, self.free_tokens)
+
+    def without_cost(self, proposer: str) -> ChoiceMemory:
+        """The same memory with `proposer`'s round cost unmeasured (gateway/learned_priors.py: exploration)."""
+        return dataclasses.replace(self, costs=tuple(c for c in self.costs if c[0] != proposer))
 
     def plus(self, newer: ChoiceMemory) -> ChoiceMemory:
         def merge(a: dict[str, tuple[Any, ...]], b: dict[str, tuple[Any, ...]]) -> dict[str, tuple[Any, ...]]:  # sums

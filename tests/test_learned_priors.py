@@ -10,7 +10,7 @@ import pytest_asyncio
 from transformers import AutoTokenizer
 
 from gateway.adaptive import DraftLengthController
-from gateway.learned_priors import LearnedPriors, PriorKey
+from gateway.learned_priors import EXPLORE_EVERY, LearnedPriors, PriorKey
 from gateway.proposers.cost_model import RoundCostModel
 from gateway.suffix_choice import LOCAL, MODEL, ProposerChoice
 from gateway.suffix_tree import Proposal
@@ -190,3 +190,22 @@ def test_a_choice_started_from_a_poor_model_book_still_tries_the_model_on_its_ow
         if picks[-1] == MODEL:
             code.observe_model(3, 0, 0.3, 0.1)                               # ... and the trials agree
     assert picks == [MODEL, MODEL, "none", "none"]
+
+
+def test_every_sixteenth_request_starts_without_the_model_cost_so_a_locked_out_model_is_measured_again() -> None:
+    """With the draft on the verifier's cores, a model whose booked cost says it could not pay gets no trial and no
+    draft prefill, so its cost would never be measured again (one slow measure, on a busy moment, kept for good).
+    Every EXPLORE_EVERY-th request starts with it unmeasured: that one tries the model; the book keeps the cost."""
+    booked = ProposerChoice(draft_host_share=0.5)
+    for _ in range(20):
+        booked.observe_cost(MODEL, 0.3)
+        booked.observe_verify(0, 0.1, VerifyCost(0.25))
+    priors = LearnedPriors()
+    priors.finish(GREEDY, RoundCostModel(choice=booked))
+    tried = []
+    for _ in range(2 * EXPLORE_EVERY):
+        choice = ProposerChoice(draft_host_share=0.5)
+        priors.start(GREEDY, RoundCostModel(choice=choice))
+        tried.append(choice.could_pay(MODEL, 4))
+    assert [i for i, t in enumerate(tried, start=1) if t] == [EXPLORE_EVERY, 2 * EXPLORE_EVERY]
+    assert priors._choices[GREEDY].costs == booked.memory().costs      # the book itself keeps the cost
