@@ -14,6 +14,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -335,15 +337,16 @@ async def test_sessions_of_a_sigkilled_gateway_expire(leased) -> None:
     try:
         await asyncio.to_thread(wait_serving, f"127.0.0.1:{port}", 120, gateway)
         request = client.make_request(PROMPT, max_new_tokens=480, ignore_eos=True, num_draft_tokens=3)
-        streams = [asyncio.ensure_future(_status_of_stream(f"127.0.0.1:{port}", request)) for _ in range(3)]
-        # Kill only once every session has its first token: a StartSession still in flight when the gateway dies is
-        # cancelled, and a cancelled StartSession closes its session at once (no lease to expire).
-        for _ in range(1000):
-            sessions = list(verifier.engine.sessions.values())
-            if len(sessions) == 3 and all(s.started for s in sessions) and draft.engine.sessions:
-                break
-            await asyncio.sleep(0.01)
-        assert len(verifier.engine.sessions) == 3, "three streams run when the gateway dies"
+        # The first stream alone, so that it makes a draft prefill (beside others a draft prefill is made only where a
+        # model round could pay under their load: with three streams starting together, by timing, none may be);
+        # then two more. Kill only once every session has its first token: a StartSession still in flight when the
+        # gateway dies is cancelled, and a cancelled StartSession closes its session at once (no lease to expire).
+        streams = [asyncio.ensure_future(_status_of_stream(f"127.0.0.1:{port}", request))]
+        await _until(lambda: bool(draft.engine.sessions), 30.0)
+        streams += [asyncio.ensure_future(_status_of_stream(f"127.0.0.1:{port}", request)) for _ in range(2)]
+        await _until(lambda: len(verifier.engine.sessions) == 3
+                     and all(s.started for s in verifier.engine.sessions.values()), 30.0)
+        assert draft.engine.sessions, "the first stream's draft session is open when the gateway dies"
         gateway.send_signal(signal.SIGKILL)
         gateway.wait()
         codes = await asyncio.gather(*streams)
@@ -354,6 +357,13 @@ async def test_sessions_of_a_sigkilled_gateway_expire(leased) -> None:
     finally:
         gateway.kill()
         gateway.wait()
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
 
 
 async def _status_of_stream(addr: str, request: generate_pb2.GenerateRequest) -> grpc.StatusCode:
