@@ -84,12 +84,7 @@ class ModelDrafter:
         the target's first token, then a block after it). Failures are left for the first real round."""
         if num_tokens <= 0:
             return
-        call = self.link.send(prompt_ids)
-        try:
-            await self._call(call, 0, num_ahead_tokens=num_tokens + 1)
-        except grpc.aio.AioRpcError:
-            if call.call_id == self.link.num_calls:
-                self.link.unbind()
+        await self._unlinked_call(prompt_ids, 0, num_tokens + 1)
 
     async def sync(self, context_ids: list[int], num_tokens: int, backs_off: bool = False) -> None:
         """The context, outside any round: suffix drafting's prefill, the whole context again after a failed call (to
@@ -104,10 +99,16 @@ class ModelDrafter:
         timeout_s = sync_timeout_s(self.timeout_s, len(context_ids))
         if backs_off:
             await self._linked_call(context_ids, 1, num_tokens, timeout_s)
-            return
+        else:
+            await self._unlinked_call(context_ids, 1, num_tokens, timeout_s)
+
+    async def _unlinked_call(self, context_ids: list[int], num_tokens: int, num_ahead_tokens: int,
+                             timeout_s: float | None = None) -> None:
+        """A prefill's Propose: its failure is not the link's (no backoff, no resend) but leaves it unbound, so the
+        request gets no model round until the whole context is sent again."""
         call = self.link.send(context_ids)
         try:
-            await self._call(call, 1, num_tokens, timeout_s)
+            await self._call(call, num_tokens, num_ahead_tokens, timeout_s)
         except asyncio.CancelledError:
             self.link.unbind()                    # the call may or may not have reached the service
             raise
