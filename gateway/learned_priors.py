@@ -31,7 +31,11 @@ MAX_ROUNDS = 3.0    # a new request starts with at most this many rounds' worth 
 # Every this many requests one starts without the book's draft model cost ("unmeasured = free", suffix_choice.py): a
 # model whose measured cost says it could not pay is not tried again (`could_pay`: under load, or on the verifier's
 # cores), so a cost measured once on a busy moment would otherwise keep it out for good. That request makes the
-# draft prefill and its trials where the load allows them, and what it measures goes back into the book.
+# draft prefill and its trials where the load allows them, and what it measures goes back into the book. Only requests
+# that start alone count: beside others the trials' compute is taken from the other streams (8 streams of the real
+# pair, 2-core Zen 4: one explorer a pass of 16 requests, two 281 ms model rounds and a draft prefill, 0.55-0.77 s of
+# the draft service's CPU on the verifier's cores against ~0 in target-only's passes), and a cost measured under load
+# would say "cannot pay" again.
 EXPLORE_EVERY = 16
 
 
@@ -58,14 +62,15 @@ class LearnedPriors:
         self.keep, self.max_rounds = keep, max_rounds
         self._controllers: dict[PriorKey, ControllerMemory] = {}
         self._choices: dict[PriorKey, ChoiceMemory] = {}
-        self._num_started = 0
+        self._num_alone = 0              # requests started with no other running (exploration counts these)
 
-    def start(self, key: PriorKey, model: RoundCostModel) -> None:
+    def start(self, key: PriorKey, model: RoundCostModel, alone: bool = True) -> None:
         """Seeds a new request's cost model from its tenant's book, else the gateway's (neither: it starts from
-        its own priors); every EXPLORE_EVERY-th without the draft model's cost."""
-        self._num_started += 1
+        its own priors); of the requests that start `alone` (no other request running at the gateway), every
+        EXPLORE_EVERY-th without the draft model's cost."""
+        self._num_alone += alone
         choice = _book(self._choices, key)
-        if choice is not None and self._num_started % EXPLORE_EVERY == 0:
+        if choice is not None and alone and self._num_alone % EXPLORE_EVERY == 0:
             choice = choice.without_cost(MODEL)
         model.remember(CostModelMemory(_book(self._controllers, key), choice), self.max_rounds)
 

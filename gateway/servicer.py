@@ -97,7 +97,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         keepalive.start()
         prior_key = self._prior_key(params, context)
         if self.priors is not None and generation.cost_model is not None:
-            self.priors.start(prior_key, generation.cost_model)
+            self.priors.start(prior_key, generation.cost_model, alone=self._num_running == 0)
         self._num_running += 1
         try:
             async for response in self._stream(params, generation):

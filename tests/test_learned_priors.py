@@ -209,3 +209,16 @@ def test_every_sixteenth_request_starts_without_the_model_cost_so_a_locked_out_m
         tried.append(choice.could_pay(MODEL, 4))
     assert [i for i, t in enumerate(tried, start=1) if t] == [EXPLORE_EVERY, 2 * EXPLORE_EVERY]
     assert priors._choices[GREEDY].costs == booked.memory().costs      # the book itself keeps the cost
+    # Beside other requests none explores (its trials would take the others' compute), nor do they count.
+    beside = []
+    for _ in range(2 * EXPLORE_EVERY):
+        choice = ProposerChoice(draft_host_share=0.5)
+        priors.start(GREEDY, RoundCostModel(choice=choice), alone=False)
+        beside.append(choice.could_pay(MODEL, 4))
+    assert not any(beside)
+    alone_again = []
+    for _ in range(EXPLORE_EVERY):
+        choice = ProposerChoice(draft_host_share=0.5)
+        priors.start(GREEDY, RoundCostModel(choice=choice))
+        alone_again.append(choice.could_pay(MODEL, 4))
+    assert [i for i, t in enumerate(alone_again, start=1) if t] == [EXPLORE_EVERY]
