@@ -5,15 +5,21 @@ Per request, on plain floats (no clock: the caller passes measured seconds). For
     rate = (1 + expected accepted draft tokens - P(n)) / (verify(n) + cost)
 
 where the 1 is the token every verify emits, n is the draft's size, verify(n) = base * (1 + s * x(n)) with `base` a
-decayed average of the measured verify times (normalized by the same factor), x(n) = max(0, n + 1 - F) the verified
-tokens beyond the F free ones and s the verifier's own measure of one more token's cost (VerifyResponse.token_cost and
-.free_tokens, gateway/verify_cost.py; `VERIFY_SLOPE` and F = 1 until it reports them), and cost the proposer's own
-decayed average time per round (a local suffix lookup ~0, the shared store one Redis round trip, the draft model
-its compute plus the link's round trip; a prefetched model block costs what waiting for it cost), and P(n) the
-tokens the other sessions in the verifier's forward give up for this round's n + 1 rows (the load term of
-gateway/adaptive.py and gateway/verify_cost.py, read from the request's round cost model, gateway/proposers/
-cost_model.py, whose controller is fed the verifier's report every round: one load estimate per request; a choice on
-its own reads its model controller's). Without other sessions P = 0.
+decayed average of the drafted rounds' measured verify times (normalized by the same factor; an undrafted round's
+measured time pulls it by ANCHOR_WEIGHT rounds), x(n) = max(0, n + 1 - F) the verified tokens beyond the F free ones
+and s the verifier's own measure of one more token's cost (VerifyResponse.token_cost and .free_tokens,
+gateway/verify_cost.py; `VERIFY_SLOPE` and F = 1 until it reports them), and cost the proposer's own decayed average
+time per round (a local suffix lookup ~0, the shared store one Redis round trip, the draft model its compute plus the
+link's round trip; a prefetched model block costs what waiting for it cost), and P(n) the tokens the other sessions in
+the verifier's forward give up for this round's n + 1 rows (the load term of gateway/adaptive.py and
+gateway/verify_cost.py, read from the request's round cost model, gateway/proposers/cost_model.py, whose controller
+is fed the verifier's report every round: one load estimate per request; a choice on its own reads its model
+controller's). Without other sessions P = 0.
+
+Target-only's round (nothing drafted) is priced by its own measured time, not by the line at n = 0: the verifier
+decodes ahead while the gateway turns a round around, so an undrafted verify finds its token computed or in flight
+(`observe_undrafted`). With the draft model on the verifier's cores a model round's verify runs beside the draft
+service drafting the next block ahead; its excess over the line is the model's cost.
 
 Expected accepted tokens: for a suffix proposal, the sum over its nodes of the node's count-ratio probability
 times that proposer's measured calibration at the node's depth (decayed accepted / decayed predicted per depth,
@@ -55,6 +61,7 @@ LOCAL, GLOBAL, MODEL, NONE = "local", "global", "model", "none"
 DECAY = 0.85                 # weight an old observation keeps per new one
 VERIFY_SLOPE = 0.1           # extra verify time per drafted token, relative to a one-token verify (until measured)
 PRIOR_VERIFY_S = 0.15        # before any verify was measured (a CPU verify of the real pair: ~150-215 ms)
+ANCHOR_WEIGHT = 0.5          # rounds' worth of the undrafted round time in the drafted verify line (verify_s)
 PROBE_EVERY = 16             # rounds a drafting proposer may go unchosen before it gets one round
 PROBE_BUDGET = 0.1           # ... at least: its extra round time over the best's, per best-round time spent since
 MODEL_TRIALS = 2             # verified model rounds every request gets, whatever the estimates (under load: if they
@@ -142,7 +149,7 @@ class ProposerChoice:
         # The share of the verifier's compute a running draft model takes from it: 0 on a host of its own; on the
         # verifier's host, the draft's threads over the verifier's (`specmesh up` on 2 cores: 0.5).
         self.draft_host_share = draft_host_share
-        self._verify_base = _Decayed(PRIOR_VERIFY_S, 1.0)
+        self._verify_base = _Decayed(0.0, 0.0)     # drafted rounds' verify times, over their growth (see verify_s)
         self.verify_slope = VERIFY_SLOPE
         self.free_tokens = 1                        # verified tokens that cost about what one does
         self._cost: dict[str, _Decayed] = {}
@@ -155,7 +162,16 @@ class ProposerChoice:
 
     # ------------------------------------------------------------------ estimates
     def verify_s(self, num_tokens: int) -> float:
-        return self._verify_base.mean * (1 + self.verify_slope * excess_tokens(num_tokens, self.free_tokens))
+        """A verify of `num_tokens` drafts: the drafted rounds' line, base * (1 + s * x(n)). The base is their
+        measured verify times over that growth, pulled by ANCHOR_WEIGHT rounds' worth toward an undrafted round's
+        measured time once there is one, so that a request that has drafted nothing yet prices drafts on what it
+        measured (a tiny model verifies in ~10 ms: against a 150 ms guess no draft would ever be tried); with
+        neither, PRIOR_VERIFY_S."""
+        total, weight = self._verify_base.total, self._verify_base.weight
+        if NONE in self._cost:
+            total, weight = total + ANCHOR_WEIGHT * self._cost[NONE].mean, weight + ANCHOR_WEIGHT
+        base = total / weight if weight > 0 else PRIOR_VERIFY_S
+        return base * (1 + self.verify_slope * excess_tokens(num_tokens, self.free_tokens))
 
     def cost_s(self, proposer: str, num_tokens: int) -> float:
         """Unmeasured = free: a proposer is tried before its cost is known (optimism under uncertainty)."""
@@ -183,7 +199,10 @@ class ProposerChoice:
         return proposal if best_n == len(proposal.token_ids) else proposal.prefix(best_n)
 
     def round_s(self, proposer: str, num_tokens: int) -> float:
-        """Expected seconds of a round drafted by `proposer` (`num_tokens` drafts): its cost plus the verify."""
+        """Expected seconds of a round drafted by `proposer` (`num_tokens` drafts): its cost plus the verify. An
+        undrafted round's is its own measured time once there is one (`observe_undrafted`)."""
+        if proposer == NONE:
+            return self._undrafted_s()
         return self.verify_s(num_tokens) + self.cost_s(proposer, num_tokens)
 
     def rate(self, proposer: str, expected: float, num_tokens: int) -> float:
@@ -251,13 +270,47 @@ class ProposerChoice:
     def observe_cost(self, proposer: str, seconds: float) -> None:
         self._cost.setdefault(proposer, _Decayed(0.0, 0.0)).add(max(0.0, seconds))
 
-    def observe_verify(self, num_tokens: int, seconds: float, cost: VerifyCost = UNKNOWN_COST) -> None:
-        """A verify of `num_tokens` drafts took `seconds`; cost: what the verifier reported about its forward's cost
-        (a token_cost of 0 = not reported: keep the last one)."""
+    def observe_verify(self, num_tokens: int, seconds: float, cost: VerifyCost = UNKNOWN_COST,
+                       proposer: str = NONE) -> None:
+        """A verify of `num_tokens` drafts by `proposer` took `seconds`; cost: what the verifier reported about its
+        forward's cost (a token_cost of 0 = not reported: keep the last one).
+
+        With the draft model on the verifier's cores (`draft_host_share` > 0), a model round's verify runs beside the
+        draft service's draft-ahead of the next block, which takes a core from the forward: on a 2-core Zen 4, one
+        stream's model rounds answered from drafted-ahead blocks took 5-47 ms to propose and 113-128 ms to verify 5
+        tokens (its undrafted verifies: ~45 ms). Booked as a verify, that time made the model look nearly free and
+        every round (target-only's too) look dear, and the choice kept the model in 61 rounds of a pass that ran
+        0.80x its pass without them. So there the verify's excess over a plain verify of that size (an undrafted
+        round's time on the verify line) is charged to the model's round cost, and the line learns the plain part."""
         self.observe_report(cost)
         self._rounds = DECAY * self._rounds + 1.0
-        excess = excess_tokens(num_tokens, self.free_tokens)
-        self._verify_base.add(max(0.0, seconds) / (1 + self.verify_slope * excess))
+        growth = 1 + self.verify_slope * excess_tokens(num_tokens, self.free_tokens)
+        if proposer == MODEL and self.draft_host_share > 0:
+            plain = self._undrafted_s() * growth
+            self._charge(MODEL, seconds - plain)
+            seconds = min(seconds, plain)
+        self._verify_base.add(max(0.0, seconds) / growth)
+
+    def _undrafted_s(self) -> float:
+        """An undrafted round's time: measured, else the drafted rounds' line at no drafts."""
+        return self._cost[NONE].mean if NONE in self._cost else self.verify_s(0)
+
+    def observe_undrafted(self, seconds: float, cost: VerifyCost = UNKNOWN_COST) -> None:
+        """An undrafted round's verify took `seconds`. Its time is target-only's round time, kept apart from the
+        drafted rounds' verify line: the verifier decodes ahead while the gateway turns the round around, so an
+        undrafted verify finds its token computed or in flight, where a verify with drafts needs its own forward
+        (and stops a step decoding ahead). One stream of the real pair on a 2-core Zen 4: 43 ms undrafted against 59
+        ms for a 3-draft suffix round; priced by the drafted rounds' line, target-only's round looked ~53 ms, and
+        drafts that would bring 0.1 tokens looked worth a round that costs a third more."""
+        self.observe_report(cost)
+        self._rounds = DECAY * self._rounds + 1.0
+        self.observe_cost(NONE, seconds)
+
+    def _charge(self, proposer: str, seconds: float) -> None:
+        """Adds `seconds` (at least 0) to the proposer's last measured round cost."""
+        measured = self._cost.get(proposer)
+        if measured is not None:
+            measured.total += max(0.0, seconds)
 
     def observe_report(self, cost: VerifyCost) -> None:
         """What the verifier said of a forward's cost and load (a verify's, or the prefill's at the start)."""

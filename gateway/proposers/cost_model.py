@@ -167,6 +167,8 @@ class RoundCostModel:
         done, self._suffix_round = self._suffix_round, None
         if self.choice is not None and done is not None and done.draft is round.draft:
             _learn_suffix_round(self.choice, done, round)
+        elif self.choice is not None and round.num_drafted == 0:
+            self.choice.observe_undrafted(round.verify_s, round.cost)
 
     # ------------------------------------------------------------------ memory across requests
     def memory(self) -> CostModelMemory:
@@ -184,7 +186,7 @@ class RoundCostModel:
 def _learn_suffix_round(choice: ProposerChoice, done: SuffixRound, round: RoundObservation) -> None:
     """Feeds a suffix-mode round to the choice: verify time and the verifier's cost of one more token, and
     acceptance of what each part drafted."""
-    choice.observe_verify(len(done.draft.token_ids), round.verify_s, round.cost)
+    choice.observe_verify(len(done.draft.token_ids), round.verify_s, round.cost, done.proposer)
     accepted_ids = list(round.accepted_ids)
     if done.proposer == MODEL:
         # the model's own chain (a tree from the draft service puts its alternatives after the chain)
