@@ -280,7 +280,7 @@ class ProposerChoice:
         stream's model rounds answered from drafted-ahead blocks took 5-47 ms to propose and 113-128 ms to verify 5
         tokens (its undrafted verifies: ~45 ms). Booked as a verify, that time made the model look nearly free and
         every round (target-only's too) look dear, and the choice kept the model in 61 rounds of a pass that ran
-        0.80x its pass without them. So there the verify's excess over a plain verify of that size (an undrafted
+        0.78x the pass before it. So there the verify's excess over a plain verify of that size (an undrafted
         round's time on the verify line) is charged to the model's round cost, and the line learns the plain part."""
         self.observe_report(cost)
         self._rounds = DECAY * self._rounds + 1.0
@@ -301,7 +301,7 @@ class ProposerChoice:
         undrafted verify finds its token computed or in flight, where a verify with drafts needs its own forward
         (and stops a step decoding ahead). One stream of the real pair on a 2-core Zen 4: 43 ms undrafted against 59
         ms for a 3-draft suffix round; priced by the drafted rounds' line, target-only's round looked ~53 ms, and
-        drafts that would bring 0.1 tokens looked worth a round that costs a third more."""
+        drafts that would bring 0.1-0.2 tokens looked worth a round that costs a third more."""
         self.observe_report(cost)
         self._rounds = DECAY * self._rounds + 1.0
         self.observe_cost(NONE, seconds)
