@@ -150,7 +150,9 @@ async def test_down_and_hung_are_fast_misses(server) -> None:
     try:
         start = time.monotonic()
         assert await s.lookup_counts("tenant:a", CONTEXT) == []
-        assert time.monotonic() - start < 0.3
+        # A hung server costs the 50 ms read timeout, not a hang (without it this read never returns); the bound
+        # leaves a loaded 2-core CI room (0.42 s seen once with the suite's other threads running beside it).
+        assert time.monotonic() - start < 1.0
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
     server.kill()
