@@ -1,6 +1,7 @@
 """A verify whose drafts agree with the guesses of the ahead step now running does not stop that step
-(verifier_service/engine.py `_agrees_in_flight`): the step's tokens settle it or verify its first drafts. Tiny
-verifier; the decision on a real session, the step's own record of its guesses, and the output stays exact."""
+(verifier_service/engine.py `_ahead_serves`, verifier_service/ahead.py `agrees_with_guesses`): the step's tokens
+settle it or verify its first drafts. Tiny verifier; the decision on a real session, the step's own record of its
+guesses, and the output stays exact."""
 
 from __future__ import annotations
 
@@ -24,13 +25,13 @@ async def test_drafts_that_agree_with_the_steps_guesses_leave_it_running(tokeniz
         assert first == want[:1]
         t = want[1:]                                         # the target's next tokens after what was delivered
         engine._ahead_in_flight = {"i": [t[0], t[1]]}        # as while a step with these two guesses runs
-        assert engine._agrees_in_flight("i", [t[0], t[1], t[2]], None)     # agrees, goes further: the step helps
-        assert engine._agrees_in_flight("i", [t[0]], None)                 # agrees, shorter
-        assert not engine._agrees_in_flight("i", [t[0], t[1] + 1], None)   # disagrees where both go
-        assert not engine._agrees_in_flight("i", [t[0], t[1]], [-1, 0])    # a tree: not judged here
-        assert not engine._agrees_in_flight("j", [t[0]], None)             # no step for that session
+        assert engine._ahead_serves("i", [t[0], t[1], t[2]], None)     # agrees, goes further: the step helps
+        assert engine._ahead_serves("i", [t[0]], None)                 # agrees, shorter
+        assert not engine._ahead_serves("i", [t[0], t[1] + 1], None)   # disagrees where both go
+        assert not engine._ahead_serves("i", [t[0], t[1]], [-1, 0])    # a tree: not judged here
+        assert not engine._ahead_serves("j", [t[0]], None)             # no step for that session
         engine._ahead_in_flight = {}
-        assert not engine._agrees_in_flight("i", [t[0]], None)             # nothing in flight
+        assert not engine._ahead_serves("i", [t[0]], None)             # nothing in flight
         output = first + list((await engine.verify("i", [t[0], t[1], t[2]], None).future).token_ids)
         while len(output) < 10:
             output += (await engine.verify("i", [], None).future).token_ids

@@ -48,6 +48,18 @@ def match_ahead(ahead_ids: Sequence[int], draft_ids: Sequence[int], parents: Seq
     return AheadMatch(path, False, [draft_ids[i] for i in rest], None if parents is None else rest_parents, rest)
 
 
+def agrees_with_guesses(ahead_ids: Sequence[int], draft_ids: Sequence[int], parents: Sequence[int] | None,
+                        guesses: Sequence[int]) -> bool:
+    """Whether a step decoding ahead past `ahead_ids` with these prompt-lookup `guesses` (for the tokens it decodes)
+    agrees with a verify's chain of drafts where both go: then the step's tokens settle the verify (a guess the
+    target rejects rejects the draft at that position too) or verify its first drafts. Trees are not judged."""
+    if not guesses or parents is not None or list(draft_ids[:len(ahead_ids)]) != list(ahead_ids):
+        return False
+    rest = draft_ids[len(ahead_ids):]                # the drafts for the tokens the step decodes
+    n = min(len(rest), len(guesses))
+    return n > 0 and list(rest[:n]) == list(guesses[:n])
+
+
 def subtree(parents: Sequence[int], node: int) -> list[int]:
     """The descendants of `node` (not itself), in index order (so still topological)."""
     inside, out = {node}, []

@@ -39,7 +39,7 @@ from specmesh.spec.rejection import SparseDist
 from specmesh.spec.sampling import SamplingParams, make_generator
 from specmesh.spec.tree import keep_shallow
 from specmesh.telemetry.metrics import StatsCollector
-from verifier_service.ahead import match_ahead
+from verifier_service.ahead import agrees_with_guesses, match_ahead
 from verifier_service.decode_ahead import DecodeAhead
 from verifier_service.forward_share import ForwardShare, VerifyResult
 from verifier_service.gather import ReturnGather
@@ -93,40 +93,26 @@ class VerifierEngine(BatchedEngine[VerifyRequest]):
         """draft_parents: a token tree over draft_ids (validated by the caller; None = chain). model_drafts: the
         draft service made them (it may be drafting this session's next block now; n-gram and cache drafts: False)."""
         done: Completion[VerifyResult] = Completion()
-        if draft_ids and not self._settled_ahead(session_id, draft_ids, draft_parents) \
-                and not self._agrees_in_flight(session_id, draft_ids, draft_parents):
+        if draft_ids and not self._ahead_serves(session_id, draft_ids, draft_parents):
             self._urgent_ids.add(session_id)
         self.post(Verify(session_id, draft_ids, draft_dists, done, deadline, draft_parents, model_drafts))
         return done
 
-    def _settled_ahead(self, session_id: str, draft_ids: list[int], draft_parents: list[int] | None) -> bool:
-        """Whether the tokens the session has decoded ahead so far settle this verify without a forward. Read from
-        the event loop while the engine thread may add a token: a stale answer only decides whether a forward that
-        merely decodes ahead gives way to this verify."""
+    def _ahead_serves(self, session_id: str, draft_ids: list[int], draft_parents: list[int] | None) -> bool:
+        """Whether decoding ahead serves this verify, so a step that decodes ahead need not give way to it: the tokens
+        decoded so far settle it without a forward, or the step now running carries prompt-lookup guesses that agree
+        with its drafts (`agrees_with_guesses`: one stream of the real pair on a 2-core Zen 4, the gateway's suffix
+        drafts, lookups in the same context, arrived ~5 ms into the ahead steps that carried guesses and stopped all
+        but ~10 of ~70 a pass, to verify the same tokens again in a forward of their own). Read from the event loop
+        while the engine thread may add a token or start a step: a stale answer only decides whether the step gives
+        way."""
         session = self.sessions.get(session_id)
         if session is None:
             return False
         ahead_ids = session.seq.token_ids[session.num_delivered:]
-        return bool(ahead_ids) and match_ahead(ahead_ids, draft_ids, draft_parents).resolved
-
-    def _agrees_in_flight(self, session_id: str, draft_ids: list[int], draft_parents: list[int] | None) -> bool:
-        """Whether the ahead step running now carries prompt-lookup guesses that agree with this verify's chain of
-        drafts where both go: then that step's tokens settle the verify (a guess rejected: the target's token
-        rejects the draft there too) or verify its first drafts, so it is not stopped for it. One stream of the real
-        pair on a 2-core Zen 4: the gateway's suffix drafts, lookups in the same context, arrived ~5 ms into the
-        ahead steps that carried guesses and stopped all but ~10 of ~70 a pass, to verify the same tokens again
-        in a forward of their own. Read from the event loop while the engine thread runs the step; a stale answer
-        only decides whether the step gives way."""
-        guesses = self._ahead_in_flight.get(session_id)
-        session = self.sessions.get(session_id)
-        if not guesses or session is None or draft_parents is not None:
-            return False
-        ahead_ids = session.seq.token_ids[session.num_delivered:]     # decoded ahead before this step
-        if draft_ids[:len(ahead_ids)] != ahead_ids:
-            return False
-        rest = draft_ids[len(ahead_ids):]                # the drafts for the tokens this step decodes
-        n = min(len(rest), len(guesses))
-        return n > 0 and rest[:n] == guesses[:n]
+        if ahead_ids and match_ahead(ahead_ids, draft_ids, draft_parents).resolved:
+            return True
+        return agrees_with_guesses(ahead_ids, draft_ids, draft_parents, self._ahead_in_flight.get(session_id, []))
 
     def end_session(self, session_id: str) -> None:
         self.post(End(session_id))
