@@ -78,3 +78,23 @@ def test_row_keys_for_a_chain_and_a_tree() -> None:
     context = [36, 37]                                         # positions 0, 1 in block 9; new tokens at 38, 39, 4
     assert rows[3:] == [[*context, 38], [*context, 38, 39], [*context, 38, 4]]
     assert rk.max_len == 7
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 40])        # one row split by KV head, a few rows split so, rows whole
+def test_threads_change_nothing(num_rows: int) -> None:
+    """Rows and KV heads run on the kernel's thread pool: any thread count gives the one-thread bits, and a row's bits
+    do not depend on whether its KV heads were split (1 and 3 rows) or not (40 rows) across threads."""
+    g = torch.Generator().manual_seed(num_rows)
+    keys, values = torch.randn(600, 2, 128, generator=g), torch.randn(600, 2, 128, generator=g)
+    query = torch.randn(num_rows, 12, 128, generator=g)
+    slots = [torch.randperm(600, generator=g)[: 1 + 37 * t % 560].tolist() for t in range(num_rows)]
+    flat = torch.tensor([s for row in slots for s in row], dtype=torch.int32)
+    lengths = torch.tensor([len(row) for row in slots])
+    starts = torch.cumsum(lengths, 0) - lengths
+    outs = [attention_kernel.paged_attention(query, keys, values, flat, starts, lengths, int(lengths.max()), 0.088,
+                                             threads=threads) for threads in (1, 2, 3, 8)]
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    first_alone = attention_kernel.paged_attention(query[:1], keys, values, flat, starts[:1], lengths[:1],
+                                                   int(lengths[0]), 0.088, threads=2)
+    assert torch.equal(first_alone[0], outs[0][0])

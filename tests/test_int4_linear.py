@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from specmesh.engine import int4_kernel
-from specmesh.engine.int4_linear import Int4GroupLinear, dequantize_weight, kernel_threads, quantize_weight
+from specmesh.engine.int4_linear import Int4GroupLinear, dequantize_weight, quantize_weight
+from specmesh.engine.kernel_threads import kernel_threads
 
 SHAPES = [(64, 64), (8960 // 8, 1536), (70, 40), (256, 96)]     # (out, in); odd ones are padded
 

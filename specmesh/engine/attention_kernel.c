@@ -16,6 +16,8 @@ ancestors): the same keys in the same order give the same numbers. Built without
 #include <math.h>
 #include <stdint.h>
 
+#include "cpu_pool.h"
+
 /* exp on 8 lanes (Cephes expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n); inputs here are <= 0. */
 static inline __m256 exp8(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
@@ -144,25 +146,28 @@ static inline __attribute__((always_inline)) void values_block(
                         d);
 }
 
-/* One row t: q [H, D] over the n keys at `slots` -> out [H, D]; probs [H, probs_stride] and inv [H] are scratch.
-   The cache holds a slot's KV heads side by side (one row of kvH * D floats), so every pass walks the keys once for
-   all heads: each key and value row is read whole, in order (reading one KV head's half of each row at a time ran
-   at a quarter of the memory bandwidth). Scores key block by key block, then the softmax numerators per head, then
-   values key block by key block, query heads of one KV head in tiles of up to HEAD_TILE. Every head's numbers go
-   through the same operations in the same order whatever else the row has. */
-static void attend_row(const float *q, int64_t heads, int64_t kv_heads, const float *key_cache,
-                       const float *value_cache, const int32_t *slots, int64_t n, int64_t d, float scale,
-                       float *probs, int64_t probs_stride, float *inv, float *out) {
+/* One row over the n keys at `slots`, for the query heads of KV heads [g0, g1): q [H, D] -> out [H, D] (those heads'
+   rows); probs [H, probs_stride] and inv [H] are scratch. The cache holds a slot's KV heads side by side (one row of
+   kvH * D floats), so with every KV head (g0 = 0, g1 = kvH) each pass walks the keys once for all heads: each key and
+   value row is read whole, in order (reading one KV head's half of each row at a time ran at a quarter of the memory
+   bandwidth on one thread; a row split over threads by KV head reads its halves on different cores at once). Scores
+   key block by key block, then the softmax numerators per head, then values key block by key block, query heads of
+   one KV head in tiles of up to HEAD_TILE. Every head's numbers go through the same operations in the same order
+   whatever else the row has, and whichever KV heads the call covers. */
+static void attend_row(const float *q, int64_t heads, int64_t kv_heads, int64_t g0, int64_t g1,
+                       const float *key_cache, const float *value_cache, const int32_t *slots, int64_t n, int64_t d,
+                       float scale, float *probs, int64_t probs_stride, float *inv, float *out) {
     const int64_t group = heads / kv_heads, kv_stride = kv_heads * d;
+    const int64_t h_begin = g0 * group, h_end = g1 * group, kv_offset = g0 * d, kv_width = (g1 - g0) * d;
     for (int64_t j = 0; j < n; j += SCORE_KEYS) {
         const int m = n - j < SCORE_KEYS ? (int)(n - j) : SCORE_KEYS;
         for (int64_t f = j + PREFETCH_KEYS; f < j + PREFETCH_KEYS + m && f < n; f++)
-            prefetch_row(key_cache + (int64_t)slots[f] * kv_stride, kv_stride);
-        for (int64_t h = 0; h < heads; h++)
+            prefetch_row(key_cache + (int64_t)slots[f] * kv_stride + kv_offset, kv_width);
+        for (int64_t h = h_begin; h < h_end; h++)
             score_keys(q + h * d, key_cache + (h / group) * d, slots + j, m, kv_stride, d, scale,
                        probs + h * probs_stride + j);
     }
-    for (int64_t h = 0; h < heads; h++) {
+    for (int64_t h = h_begin; h < h_end; h++) {
         float max_score = -INFINITY;
         for (int64_t j = 0; j < n; j++) {
             const float s = probs[h * probs_stride + j];
@@ -173,8 +178,8 @@ static void attend_row(const float *q, int64_t heads, int64_t kv_heads, const fl
     for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK) {
         const int64_t j1 = j0 + KEY_BLOCK < n ? j0 + KEY_BLOCK : n;
         for (int64_t f = j0 + PREFETCH_KEYS; f < j1 + PREFETCH_KEYS && f < n; f++)
-            prefetch_row(value_cache + (int64_t)slots[f] * kv_stride, kv_stride);
-        for (int64_t g = 0; g < kv_heads; g++)
+            prefetch_row(value_cache + (int64_t)slots[f] * kv_stride + kv_offset, kv_width);
+        for (int64_t g = g0; g < g1; g++)
             for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += HEAD_TILE) {
                 const int64_t left = (g + 1) * group - h0;
 #define HEADS(NH) values_block(NH, value_cache + g * d, slots, j0, j1, kv_stride, probs + h0 * probs_stride, \
@@ -190,21 +195,42 @@ static void attend_row(const float *q, int64_t heads, int64_t kv_heads, const fl
 #undef HEADS
             }
     }
-    for (int64_t h = 0; h < heads; h++)
+    for (int64_t h = h_begin; h < h_end; h++)
         for (int64_t i = 0; i < d; i += 8)
             _mm256_storeu_ps(out + h * d + i, _mm256_mul_ps(_mm256_loadu_ps(out + h * d + i), _mm256_set1_ps(inv[h])));
 }
 
+/* A forward's attention as pool chunks (cpu_pool.h): chunk c is row c / split, KV heads of part c % split (split = 1:
+   the whole row; split = kvH: one KV head and its query heads). Each thread has its own scratch. */
+typedef struct {
+    const float *query, *key_cache, *value_cache; const int32_t *key_slots; const int64_t *row_start, *row_len;
+    int64_t heads, kv_heads, d, max_len, split; float scale; float *scratch; float *out;
+} attention_job_t;
+
+static void attention_chunk(void *ctx, int64_t chunk, int thread) {
+    const attention_job_t *j = ctx;
+    const int64_t t = chunk / j->split, part = chunk % j->split, parts = j->kv_heads / j->split;
+    float *probs = j->scratch + (int64_t)thread * j->heads * (j->max_len + 1);
+    attend_row(j->query + t * j->heads * j->d, j->heads, j->kv_heads, part * parts, (part + 1) * parts, j->key_cache,
+               j->value_cache, j->key_slots + j->row_start[t], j->row_len[t], j->d, j->scale, probs, j->max_len,
+               probs + j->heads * j->max_len, j->out + t * j->heads * j->d);
+}
+
 /* query [T, H, D], caches [slots, kvH, D], out [T, H, D]; D a multiple of 8, H a multiple of kvH; scratch holds
-   H * (max(row_len) + 1) floats. Query heads h attend over KV head h / (H / kvH). */
+   threads * H * (max(row_len) + 1) floats. Query heads h attend over KV head h / (H / kvH). Rows run on up to
+   `threads` threads (the caller's included); with fewer than ROWS_PER_THREAD rows a thread, each row's KV heads are
+   split among them too (a decode's one row on every core). The numbers are the same whatever the split. */
+#define ROWS_PER_THREAD 4
 void sm_paged_attention(const float *query, const float *key_cache, const float *value_cache,
                         const int32_t *key_slots, const int64_t *row_start, const int64_t *row_len, int64_t rows,
-                        int64_t heads, int64_t kv_heads, int64_t d, float scale, float *scratch, float *out) {
+                        int64_t heads, int64_t kv_heads, int64_t d, float scale, float *scratch, float *out,
+                        int threads) {
     int64_t max_len = 1;
     for (int64_t t = 0; t < rows; t++) max_len = row_len[t] > max_len ? row_len[t] : max_len;
-    for (int64_t t = 0; t < rows; t++)
-        attend_row(query + t * heads * d, heads, kv_heads, key_cache, value_cache, key_slots + row_start[t], row_len[t],
-                   d, scale, scratch, max_len, scratch + heads * max_len, out + t * heads * d);
+    const int64_t split = threads > 1 && rows < (int64_t)threads * ROWS_PER_THREAD ? kv_heads : 1;
+    attention_job_t job = {query, key_cache, value_cache, key_slots, row_start, row_len, heads, kv_heads, d, max_len,
+                           split, scale, scratch, out};
+    pool_run(threads, rows * split, attention_chunk, &job);
 }
 
 int sm_cpu_supported(void) {

@@ -1,7 +1,9 @@
 """Loads the batch-invariant paged attention kernel (`attention_kernel.c`), built once by `cpu_build`.
 
 `paged_attention_forward` uses it in rowwise mode (int8 and int4 models) when the cache and queries are float32 and
-the head size is a multiple of 8; otherwise, or where it cannot be built, attention falls back to per-row SDPA.
+the head size is a multiple of 8; otherwise, or where it cannot be built, attention falls back to per-row SDPA. Rows
+(and a short batch's KV heads) are split over the kernel's own thread pool (`cpu_pool.h`), as many threads as the
+step's budget (kernel_threads.py); every output is computed the same way whatever the split.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 import torch
 
 from specmesh.engine.cpu_build import load_optional
+from specmesh.engine.kernel_threads import num_kernel_threads
 
 SOURCE = Path(__file__).with_name("attention_kernel.c")
 _P = ctypes.c_void_p
@@ -25,7 +28,7 @@ def library() -> ctypes.CDLL | None:
     lib = load_optional(SOURCE, "using per-row SDPA")
     if lib is None:
         return None
-    lib.sm_paged_attention.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P]
+    lib.sm_paged_attention.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, ctypes.c_int]
     lib.sm_paged_attention.restype = None
     return lib
 
@@ -35,17 +38,20 @@ def supports(head_dim: int, dtype: torch.dtype) -> bool:
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, key_slots: torch.Tensor,
-                    row_start: torch.Tensor, row_len: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+                    row_start: torch.Tensor, row_len: torch.Tensor, max_len: int, scale: float,
+                    threads: int | None = None) -> torch.Tensor:
     """query [T, H, D] float32; key_cache, value_cache [num_slots, kvH, D] (a layer's pool, viewed flat by slot);
     row t attends to key_slots[row_start[t] : row_start[t] + row_len[t]] (int32 slot ids, in key order).
-    Returns [T, H, D]."""
+    Runs on `threads` threads (default: the step's kernel threads, kernel_threads.py); the numbers do not depend on
+    it. Returns [T, H, D]."""
     lib = library()
     assert lib is not None, "check supports() first"
     rows, heads, head_dim = query.shape
+    threads = max(1, num_kernel_threads() if threads is None else threads)
     query = query.contiguous()
     out = torch.empty_like(query)
-    scratch = torch.empty(heads * (max(1, max_len) + 1), dtype=torch.float32)     # probs [H, max_len], inv [H]
+    scratch = torch.empty(threads * heads * (max(1, max_len) + 1), dtype=torch.float32)  # per thread: probs, inv
     lib.sm_paged_attention(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), key_slots.data_ptr(),
                            row_start.data_ptr(), row_len.data_ptr(), rows, heads, key_cache.shape[1], head_dim,
-                           scale, scratch.data_ptr(), out.data_ptr())
+                           scale, scratch.data_ptr(), out.data_ptr(), threads)
     return out

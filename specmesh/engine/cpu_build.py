@@ -48,8 +48,9 @@ def _compile(source: Path, cflags: tuple[str, ...], target: Path) -> None:
 
 
 def library_path(source: Path, cflags: tuple[str, ...] = AVX2_CFLAGS) -> Path:
-    """The shared library for this source and these flags, compiled first if missing."""
-    digest = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode()).hexdigest()[:16]
+    """The shared library for this source, the headers beside it and these flags, compiled first if missing."""
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))    # cpu_pool.h and the like
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(cflags).encode()).hexdigest()[:16]
     path = _cache_dir() / f"{source.stem.removesuffix('_kernel')}-{digest}.so"
     if not path.is_file():
         _compile(source, cflags, path)

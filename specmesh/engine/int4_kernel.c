@@ -21,11 +21,11 @@ threads. Built without -ffast-math: the compiler must not reassociate the float 
 
 #include <immintrin.h>
 #include <math.h>
-#include <pthread.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "cpu_pool.h"
 
 #define GROUP 32
 #define LANES 8             /* output channels per tile */
@@ -249,134 +249,40 @@ void sm_int4_matmul(const int8_t *xq, const float *row_scale, const float *xsum,
         matmul_avx2(xq, row_scale, xsum, m, k, wq, scales, mins, bias, n, tile_begin, tile_end, y);
 }
 
-/* ---------------------------------------------------------------------------------------------------------------
-   A small persistent thread pool for sm_int4_matmul_mt. The output tiles of a job are cut into chunks that threads
-   claim one at a time from a shared cursor, the caller included: a thread that loses its core (to the draft model
-   or the gateway on a shared host) holds up at most the chunk it is on, not a fixed share of every layer. Workers
-   spin briefly for the next job (the next layer's matmul usually follows within tens of microseconds), then sleep on
-   a condition variable. One caller at a time: a second concurrent caller runs on its own thread.
+/* sm_int4_matmul over output tiles [tile_begin, tile_end) on up to `threads` threads (the caller included), through
+   cpu_pool.h: the tiles are cut into CHUNKS_PER_THREAD chunks a thread, claimed one at a time. */
 
-   The cursor packs (job generation << 32 | next chunk). A chunk is claimed by a compare-and-swap of the cursor, so a
-   worker that wakes late (its job already done, maybe the next one posted) claims nothing of a job it has not read:
-   the swap fails once the generation moved on. Jobs alternate between two slots; slot g % 2 is rewritten only for
-   job g + 2, which is posted after every chunk of job g has been done, so a claimed chunk's slot stays intact. */
-
-#define MAX_THREADS 64
-#define SPIN_ITERS 20000         /* ~0.1-1 ms of pause instructions before sleeping */
 #define CHUNKS_PER_THREAD 6      /* chunks a job is cut into per thread: small enough to balance, few claims */
-#define YIELD_EVERY_SPINS 256    /* a waiting worker's pauses between yields of its core */
-#define YIELD_AFTER_SPINS 2000   /* the caller's pauses waiting for the last chunks before it yields its core */
 
 typedef struct {
     const int8_t *xq; const float *row_scale; const float *xsum; int64_t m, k;
     const uint8_t *wq; const uint16_t *scales; const uint16_t *mins; const float *bias; int64_t n;
-    int64_t tile_begin, chunk_tiles, tile_end, num_chunks; float *y; int threads;
-} job_t;
+    int64_t tile_begin, chunk_tiles, tile_end; float *y;
+} matmul_job_t;
 
-static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER;      /* held by the caller driving the pool */
-static pthread_mutex_t wake_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
-static job_t jobs[2];
-static atomic_ullong generation;          /* the latest job posted; workers wake when it changes */
-static atomic_ullong cursor;              /* (generation << 32) | next unclaimed chunk of that job */
-static atomic_llong chunks_done;          /* chunks of the current job finished */
-static int num_workers;          /* started so far; each serves every job with index < the job's thread count */
-static unsigned long long start_generation[MAX_THREADS];   /* the generation before a worker's first job */
-
-/* Claims and runs chunks of job `gen` until none is left or a newer job replaced it. */
-static void run_chunks(unsigned long long gen) {
-    for (;;) {
-        unsigned long long c = atomic_load_explicit(&cursor, memory_order_acquire);
-        if (c >> 32 != (gen & 0xFFFFFFFFull)) return;
-        const job_t *j = &jobs[gen & 1];
-        const int64_t chunk = (int64_t)(c & 0xFFFFFFFFull);
-        if (chunk >= j->num_chunks) return;     /* read before the claim; the swap below fails if j was replaced */
-        if (!atomic_compare_exchange_weak_explicit(&cursor, &c, c + 1, memory_order_acq_rel, memory_order_relaxed))
-            continue;
-        const int64_t b = j->tile_begin + chunk * j->chunk_tiles;
-        const int64_t e = b + j->chunk_tiles < j->tile_end ? b + j->chunk_tiles : j->tile_end;
-        sm_int4_matmul(j->xq, j->row_scale, j->xsum, j->m, j->k, j->wq, j->scales, j->mins, j->bias, j->n, b, e,
-                       j->y);
-        atomic_fetch_add_explicit(&chunks_done, 1, memory_order_acq_rel);
-    }
+static void matmul_chunk(void *ctx, int64_t chunk, int thread) {
+    (void)thread;
+    const matmul_job_t *j = ctx;
+    const int64_t b = j->tile_begin + chunk * j->chunk_tiles;
+    const int64_t e = b + j->chunk_tiles < j->tile_end ? b + j->chunk_tiles : j->tile_end;
+    sm_int4_matmul(j->xq, j->row_scale, j->xsum, j->m, j->k, j->wq, j->scales, j->mins, j->bias, j->n, b, e, j->y);
 }
 
-static void *worker(void *arg) {
-    const int index = (int)(intptr_t)arg;           /* 1 .. num_workers; the caller is 0 */
-    unsigned long long seen = start_generation[index];
-    for (;;) {
-        unsigned long long now;
-        int spins = 0;
-        while ((now = atomic_load_explicit(&generation, memory_order_acquire)) == seen && spins < SPIN_ITERS) {
-            if (++spins % YIELD_EVERY_SPINS) _mm_pause();
-            else sched_yield();      /* a thread that shares this core (the caller, the draft model) runs first */
-        }
-        if (now == seen) {
-            pthread_mutex_lock(&wake_lock);
-            while ((now = atomic_load_explicit(&generation, memory_order_acquire)) == seen)
-                pthread_cond_wait(&wake, &wake_lock);
-            pthread_mutex_unlock(&wake_lock);
-        }
-        seen = now;
-        if (index < jobs[now & 1].threads)   /* a stale read only skips a job or tries a claim that fails */
-            run_chunks(now);
-    }
-    return NULL;
-}
-
-/* A forked child has none of the parent's workers: start afresh. */
-static void reset_after_fork(void) {
-    num_workers = 0;
-    pthread_mutex_init(&pool_busy, NULL);
-    pthread_mutex_init(&wake_lock, NULL);
-    pthread_cond_init(&wake, NULL);
-}
-
-static pthread_once_t fork_handler_once = PTHREAD_ONCE_INIT;
-static void install_fork_handler(void) { pthread_atfork(NULL, NULL, reset_after_fork); }
-
-/* sm_int4_matmul over output tiles [tile_begin, tile_end) on up to `threads` threads (the caller included). */
 void sm_int4_matmul_mt(const int8_t *xq, const float *row_scale, const float *xsum, int64_t m, int64_t k,
                        const uint8_t *wq, const uint16_t *scales, const uint16_t *mins, const float *bias, int64_t n,
                        int64_t tile_begin, int64_t tile_end, float *y, int threads) {
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    pthread_once(&fork_handler_once, install_fork_handler);
-    if (threads <= 1 || pthread_mutex_trylock(&pool_busy) != 0) {
+    const int64_t tiles = tile_end - tile_begin;
+    if (threads <= 1 || tiles <= 1) {
         sm_int4_matmul(xq, row_scale, xsum, m, k, wq, scales, mins, bias, n, tile_begin, tile_end, y);
         return;
     }
-    while (num_workers < threads - 1) {
-        pthread_t t;
-        start_generation[num_workers + 1] = atomic_load(&generation);
-        if (pthread_create(&t, NULL, worker, (void *)(intptr_t)(num_workers + 1)) != 0) break;
-        pthread_detach(t);
-        num_workers++;
-    }
-    if (threads > num_workers + 1) threads = num_workers + 1;
-    const int64_t tiles = tile_end - tile_begin;
+    if (threads > POOL_MAX_THREADS) threads = POOL_MAX_THREADS;
     int64_t num_chunks = (int64_t)threads * CHUNKS_PER_THREAD;
     if (num_chunks > tiles) num_chunks = tiles;
     const int64_t chunk_tiles = (tiles + num_chunks - 1) / num_chunks;
     num_chunks = (tiles + chunk_tiles - 1) / chunk_tiles;
-    /* the previous job is done: no thread holds a chunk of it, and none can claim one of this job before the
-       cursor below is published */
-    const unsigned long long gen = atomic_load_explicit(&generation, memory_order_relaxed) + 1;
-    jobs[gen & 1] = (job_t){xq, row_scale, xsum, m, k, wq, scales, mins, bias, n, tile_begin, chunk_tiles, tile_end,
-                            num_chunks, y, threads};
-    atomic_store_explicit(&chunks_done, 0, memory_order_relaxed);
-    atomic_store_explicit(&cursor, (gen & 0xFFFFFFFFull) << 32, memory_order_release);
-    pthread_mutex_lock(&wake_lock);
-    atomic_store_explicit(&generation, gen, memory_order_release);
-    pthread_cond_broadcast(&wake);
-    pthread_mutex_unlock(&wake_lock);
-    run_chunks(gen);
-    /* the chunks still running on other threads; yield the core after a while, in case the thread running the last
-       one waits for it */
-    for (int spins = 0; atomic_load_explicit(&chunks_done, memory_order_acquire) < num_chunks; spins++) {
-        if (spins < YIELD_AFTER_SPINS) _mm_pause();
-        else sched_yield();
-    }
-    pthread_mutex_unlock(&pool_busy);
+    matmul_job_t job = {xq, row_scale, xsum, m, k, wq, scales, mins, bias, n, tile_begin, chunk_tiles, tile_end, y};
+    pool_run(threads, num_chunks, matmul_chunk, &job);
 }
 
 /* One linear layer: x [m, k] float32 rows quantized (sm_quantize_rows) into this thread's scratch, then

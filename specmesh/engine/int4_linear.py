@@ -13,36 +13,13 @@ is in `int4_kernel.c`).
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 from torch import nn
 
 from specmesh.engine import int4_kernel
 from specmesh.engine.int4_kernel import GROUP, LANES
 from specmesh.engine.int8_linear import replace_linears
-
-
-class _KernelThreads(threading.local):
-    num: int | None = None       # this thread's kernel thread count (kernel_threads); None = torch's
-
-
-_threads = _KernelThreads()
-
-
-@contextmanager
-def kernel_threads(num_threads: int) -> Iterator[None]:
-    """The int4 kernels called from this thread use `num_threads` threads of their own pool meanwhile (the runner
-    puts torch on one thread so that two pools do not spin against each other on the same cores)."""
-    previous = _threads.num
-    _threads.num = num_threads
-    try:
-        yield
-    finally:
-        _threads.num = previous
-
+from specmesh.engine.kernel_threads import num_kernel_threads
 
 PARALLEL_MIN_OUT = 256          # fewer output rows than this: one thread (the hand-off costs more)
 
@@ -106,7 +83,7 @@ class Int4GroupLinear(nn.Module):
         m = rows.shape[0]
         n = self.padded_out
         y = torch.empty(m, n, dtype=torch.float32)
-        threads = (_threads.num or torch.get_num_threads()) if n >= PARALLEL_MIN_OUT else 1
+        threads = num_kernel_threads() if n >= PARALLEL_MIN_OUT else 1
         # quantizes each row into the kernel's own scratch, then the integer matmul over every output tile
         bias = None if self.bias is None else self.bias.data_ptr()
         self.lib.sm_int4_linear(rows.data_ptr(), m, self.padded_in, self.packed.data_ptr(), self.scales.data_ptr(),

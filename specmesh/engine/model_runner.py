@@ -9,7 +9,8 @@ import torch
 from transformers import PreTrainedModel
 
 from specmesh.engine.errors import ForwardInterrupted
-from specmesh.engine.int4_linear import Int4GroupLinear, kernel_threads
+from specmesh.engine.int4_linear import Int4GroupLinear
+from specmesh.engine.kernel_threads import kernel_threads
 from specmesh.engine.paged_attention import ATTN_IMPLEMENTATION, PagedBatch, PagedKVCache, SeqSlice
 from specmesh.engine.qwen2_decoder import Qwen2Decoder, is_fused, supports
 from specmesh.spec.tree import block_layout
