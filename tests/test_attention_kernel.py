@@ -98,3 +98,23 @@ def test_threads_change_nothing(num_rows: int) -> None:
     first_alone = attention_kernel.paged_attention(query[:1], keys, values, flat, starts[:1], lengths[:1],
                                                    int(lengths[0]), 0.088, threads=2)
     assert torch.equal(first_alone[0], outs[0][0])
+
+
+@pytest.mark.parametrize("num_new", [1, 5, 8, 9, 20])     # tiles of 8 rows: one partial, one full, full + partial
+def test_chain_rows_in_tiles_are_bit_identical_to_rows_alone(num_new: int) -> None:
+    """A chain's new tokens share one key list (row i sees the context and new tokens 0..i) and run in tiles that read
+    each key block once for the tile: every row's bits equal the row run alone over its own copy of its keys, and
+    the float64 reference holds."""
+    g = torch.Generator().manual_seed(num_new)
+    keys, values = torch.randn(900, 2, 128, generator=g), torch.randn(900, 2, 128, generator=g)
+    context = 777                                    # not a multiple of a key block: every row ends mid-block
+    chain = torch.randperm(900, generator=g)[: context + num_new].to(torch.int32)
+    query = torch.randn(num_new, 12, 128, generator=g) * 2
+    lengths = torch.arange(context + 1, context + num_new + 1)
+    for threads in (1, 2):
+        tiled = attention_kernel.paged_attention(query, keys, values, chain, torch.zeros(num_new, dtype=torch.long),
+                                                 lengths, int(lengths.max()), 0.088, threads=threads)
+        rows = [chain[: int(n)].tolist() for n in lengths]
+        alone = run(query, keys, values, rows, 0.088)         # a key list per row: no tiles
+        assert torch.equal(tiled, alone)
+    torch.testing.assert_close(tiled.double(), reference(query, keys, values, rows, 0.088), rtol=1e-5, atol=1e-6)

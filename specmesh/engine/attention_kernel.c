@@ -15,6 +15,7 @@ ancestors): the same keys in the same order give the same numbers. Built without
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "cpu_pool.h"
 
@@ -146,91 +147,119 @@ static inline __attribute__((always_inline)) void values_block(
                         d);
 }
 
-/* One row over the n keys at `slots`, for the query heads of KV heads [g0, g1): q [H, D] -> out [H, D] (those heads'
-   rows); probs [H, probs_stride] and inv [H] are scratch. The cache holds a slot's KV heads side by side (one row of
-   kvH * D floats), so with every KV head (g0 = 0, g1 = kvH) each pass walks the keys once for all heads: each key and
-   value row is read whole, in order (reading one KV head's half of each row at a time ran at a quarter of the memory
-   bandwidth on one thread; a row split over threads by KV head reads its halves on different cores at once). Scores
-   key block by key block, then the softmax numerators per head, then values key block by key block, query heads of
-   one KV head in tiles of up to HEAD_TILE. Every head's numbers go through the same operations in the same order
-   whatever else the row has, and whichever KV heads the call covers. */
-static void attend_row(const float *q, int64_t heads, int64_t kv_heads, int64_t g0, int64_t g1,
-                       const float *key_cache, const float *value_cache, const int32_t *slots, int64_t n, int64_t d,
-                       float scale, float *probs, int64_t probs_stride, float *inv, float *out) {
-    const int64_t group = heads / kv_heads, kv_stride = kv_heads * d;
+/* Rows that share one key list (a chain's new tokens: row r sees its first row_len[r] keys of `slots`) over their
+   keys, for the query heads of KV heads [g0, g1): q [R, H, D] -> out [R, H, D] (those heads' rows); probs
+   [R, H, probs_stride] and inv [R, H] are scratch. Key block by key block, every row of the tile takes its scores
+   (then, after the softmax numerators per row and head, its weighted values) from the block while it is in L1: a
+   long context's keys and values are read from memory once for the tile, not once per row (at ~4k positions each
+   row's pass over a layer's 8 MB of KV ran at memory speed). The cache holds a slot's KV heads side by side (one row
+   of kvH * D floats), so with every KV head (g0 = 0, g1 = kvH) each pass reads key and value rows whole, in order
+   (reading one KV head's half of each row at a time ran at a quarter of the memory bandwidth on one thread; split
+   over threads by KV head, the halves are read on different cores at once). Query heads of one KV head go through
+   the value pass in tiles of up to HEAD_TILE. Every (row, head)'s numbers go through the same operations in the same
+   order whatever else the tile or the call holds: its keys in blocks from key 0, its last block cut at its own length. */
+static void attend_rows(const float *q, int64_t num_rows, const int64_t *row_len, int64_t heads, int64_t kv_heads,
+                        int64_t g0, int64_t g1, const float *key_cache, const float *value_cache, const int32_t *slots,
+                        int64_t d, float scale, float *probs, int64_t probs_stride, float *inv, float *out) {
+    const int64_t group = heads / kv_heads, kv_stride = kv_heads * d, row_floats = heads * d;
+    const int64_t row_probs = heads * probs_stride;
     const int64_t h_begin = g0 * group, h_end = g1 * group, kv_offset = g0 * d, kv_width = (g1 - g0) * d;
-    for (int64_t j = 0; j < n; j += SCORE_KEYS) {
-        const int m = n - j < SCORE_KEYS ? (int)(n - j) : SCORE_KEYS;
-        for (int64_t f = j + PREFETCH_KEYS; f < j + PREFETCH_KEYS + m && f < n; f++)
+    int64_t n_max = 0;
+    for (int64_t r = 0; r < num_rows; r++) n_max = row_len[r] > n_max ? row_len[r] : n_max;
+    for (int64_t j = 0; j < n_max; j += SCORE_KEYS) {
+        for (int64_t f = j + PREFETCH_KEYS; f < j + PREFETCH_KEYS + SCORE_KEYS && f < n_max; f++)
             prefetch_row(key_cache + (int64_t)slots[f] * kv_stride + kv_offset, kv_width);
-        for (int64_t h = h_begin; h < h_end; h++)
-            score_keys(q + h * d, key_cache + (h / group) * d, slots + j, m, kv_stride, d, scale,
-                       probs + h * probs_stride + j);
-    }
-    for (int64_t h = h_begin; h < h_end; h++) {
-        float max_score = -INFINITY;
-        for (int64_t j = 0; j < n; j++) {
-            const float s = probs[h * probs_stride + j];
-            max_score = s > max_score ? s : max_score;
+        for (int64_t r = 0; r < num_rows; r++) {
+            if (j >= row_len[r]) continue;
+            const int m = row_len[r] - j < SCORE_KEYS ? (int)(row_len[r] - j) : SCORE_KEYS;
+            for (int64_t h = h_begin; h < h_end; h++)
+                score_keys(q + r * row_floats + h * d, key_cache + (h / group) * d, slots + j, m, kv_stride, d, scale,
+                           probs + r * row_probs + h * probs_stride + j);
         }
-        inv[h] = 1.0f / exp_scores(probs + h * probs_stride, n, max_score);
     }
-    for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK) {
-        const int64_t j1 = j0 + KEY_BLOCK < n ? j0 + KEY_BLOCK : n;
-        for (int64_t f = j0 + PREFETCH_KEYS; f < j1 + PREFETCH_KEYS && f < n; f++)
+    for (int64_t r = 0; r < num_rows; r++)
+        for (int64_t h = h_begin; h < h_end; h++) {
+            const float *p = probs + r * row_probs + h * probs_stride;
+            float max_score = -INFINITY;
+            for (int64_t j = 0; j < row_len[r]; j++) max_score = p[j] > max_score ? p[j] : max_score;
+            inv[r * heads + h] = 1.0f / exp_scores(probs + r * row_probs + h * probs_stride, row_len[r], max_score);
+        }
+    for (int64_t j0 = 0; j0 < n_max; j0 += KEY_BLOCK) {
+        for (int64_t f = j0 + PREFETCH_KEYS; f < j0 + KEY_BLOCK + PREFETCH_KEYS && f < n_max; f++)
             prefetch_row(value_cache + (int64_t)slots[f] * kv_stride + kv_offset, kv_width);
-        for (int64_t g = g0; g < g1; g++)
-            for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += HEAD_TILE) {
-                const int64_t left = (g + 1) * group - h0;
-#define HEADS(NH) values_block(NH, value_cache + g * d, slots, j0, j1, kv_stride, probs + h0 * probs_stride, \
-                               probs_stride, out + h0 * d, d)
-                switch (left < HEAD_TILE ? left : HEAD_TILE) {
-                    case 1: HEADS(1); break;
-                    case 2: HEADS(2); break;
-                    case 3: HEADS(3); break;
-                    case 4: HEADS(4); break;
-                    case 5: HEADS(5); break;
-                    default: HEADS(6); break;
-                }
+        for (int64_t r = 0; r < num_rows; r++) {
+            if (j0 >= row_len[r]) continue;
+            const int64_t j1 = j0 + KEY_BLOCK < row_len[r] ? j0 + KEY_BLOCK : row_len[r];
+            for (int64_t g = g0; g < g1; g++)
+                for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += HEAD_TILE) {
+                    const int64_t left = (g + 1) * group - h0;
+#define HEADS(NH) values_block(NH, value_cache + g * d, slots, j0, j1, kv_stride, \
+                               probs + r * row_probs + h0 * probs_stride, probs_stride, out + r * row_floats + h0 * d, d)
+                    switch (left < HEAD_TILE ? left : HEAD_TILE) {
+                        case 1: HEADS(1); break;
+                        case 2: HEADS(2); break;
+                        case 3: HEADS(3); break;
+                        case 4: HEADS(4); break;
+                        case 5: HEADS(5); break;
+                        default: HEADS(6); break;
+                    }
 #undef HEADS
-            }
+                }
+        }
     }
-    for (int64_t h = h_begin; h < h_end; h++)
-        for (int64_t i = 0; i < d; i += 8)
-            _mm256_storeu_ps(out + h * d + i, _mm256_mul_ps(_mm256_loadu_ps(out + h * d + i), _mm256_set1_ps(inv[h])));
+    for (int64_t r = 0; r < num_rows; r++)
+        for (int64_t h = h_begin; h < h_end; h++) {
+            float *o = out + r * row_floats + h * d;
+            const __m256 scale_h = _mm256_set1_ps(inv[r * heads + h]);
+            for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), scale_h));
+        }
 }
 
-/* A forward's attention as pool chunks (cpu_pool.h): chunk c is row c / split, KV heads of part c % split (split = 1:
-   the whole row; split = kvH: one KV head and its query heads). Each thread has its own scratch. */
+/* A forward's attention as pool chunks (cpu_pool.h): tiles of up to ROW_TILE consecutive rows with one key list,
+   chunk c being tile c / split, KV heads of part c % split (split = 1: all heads; split = kvH: one KV head and its
+   query heads). Each thread has its own scratch. */
+#define ROW_TILE 8
 typedef struct {
     const float *query, *key_cache, *value_cache; const int32_t *key_slots; const int64_t *row_start, *row_len;
-    int64_t heads, kv_heads, d, max_len, split; float scale; float *scratch; float *out;
+    const int64_t *tile_start; int64_t heads, kv_heads, d, max_len, split; float scale; float *scratch; float *out;
 } attention_job_t;
 
 static void attention_chunk(void *ctx, int64_t chunk, int thread) {
     const attention_job_t *j = ctx;
-    const int64_t t = chunk / j->split, part = chunk % j->split, parts = j->kv_heads / j->split;
-    float *probs = j->scratch + (int64_t)thread * j->heads * (j->max_len + 1);
-    attend_row(j->query + t * j->heads * j->d, j->heads, j->kv_heads, part * parts, (part + 1) * parts, j->key_cache,
-               j->value_cache, j->key_slots + j->row_start[t], j->row_len[t], j->d, j->scale, probs, j->max_len,
-               probs + j->heads * j->max_len, j->out + t * j->heads * j->d);
+    const int64_t tile = chunk / j->split, part = chunk % j->split, parts = j->kv_heads / j->split;
+    const int64_t t = j->tile_start[tile], num_rows = j->tile_start[tile + 1] - t;
+    float *probs = j->scratch + (int64_t)thread * ROW_TILE * j->heads * (j->max_len + 1);
+    attend_rows(j->query + t * j->heads * j->d, num_rows, j->row_len + t, j->heads, j->kv_heads, part * parts,
+                (part + 1) * parts, j->key_cache, j->value_cache, j->key_slots + j->row_start[t], j->d, j->scale, probs,
+                j->max_len, probs + ROW_TILE * j->heads * j->max_len, j->out + t * j->heads * j->d);
 }
 
 /* query [T, H, D], caches [slots, kvH, D], out [T, H, D]; D a multiple of 8, H a multiple of kvH; scratch holds
-   threads * H * (max(row_len) + 1) floats. Query heads h attend over KV head h / (H / kvH). Rows run on up to
-   `threads` threads (the caller's included); with fewer than ROWS_PER_THREAD rows a thread, each row's KV heads are
-   split among them too (a decode's one row on every core). The numbers are the same whatever the split. */
-#define ROWS_PER_THREAD 4
+   threads * ROW_TILE * H * (max(row_len) + 1) floats. Query heads h attend over KV head h / (H / kvH); rows with the
+   same row_start share one key list (row t sees its first row_len[t] keys). Tiles run on up to `threads` threads
+   (the caller's included); with fewer than TILES_PER_THREAD tiles a thread, each tile's KV heads are split among them
+   too (a decode's one row on every core). The numbers are the same whatever the tiles and the split. */
+#define TILES_PER_THREAD 4
+int sm_row_tile(void) { return ROW_TILE; }
+
 void sm_paged_attention(const float *query, const float *key_cache, const float *value_cache,
                         const int32_t *key_slots, const int64_t *row_start, const int64_t *row_len, int64_t rows,
                         int64_t heads, int64_t kv_heads, int64_t d, float scale, float *scratch, float *out,
                         int threads) {
-    int64_t max_len = 1;
+    int64_t max_len = 1, num_tiles = 0;
     for (int64_t t = 0; t < rows; t++) max_len = row_len[t] > max_len ? row_len[t] : max_len;
-    const int64_t split = threads > 1 && rows < (int64_t)threads * ROWS_PER_THREAD ? kv_heads : 1;
-    attention_job_t job = {query, key_cache, value_cache, key_slots, row_start, row_len, heads, kv_heads, d, max_len,
-                           split, scale, scratch, out};
-    pool_run(threads, rows * split, attention_chunk, &job);
+    int64_t *tile_start = malloc(sizeof(int64_t) * (size_t)(rows + 1));
+    if (!tile_start) abort();
+    for (int64_t t = 0; t < rows; t++)
+        if (num_tiles == 0 || row_start[t] != row_start[tile_start[num_tiles - 1]]
+                || t - tile_start[num_tiles - 1] >= ROW_TILE)
+            tile_start[num_tiles++] = t;
+    tile_start[num_tiles] = rows;
+    const int64_t split = threads > 1 && num_tiles < (int64_t)threads * TILES_PER_THREAD ? kv_heads : 1;
+    attention_job_t job = {query, key_cache, value_cache, key_slots, row_start, row_len, tile_start, heads, kv_heads,
+                           d, max_len, split, scale, scratch, out};
+    pool_run(threads, num_tiles * split, attention_chunk, &job);
+    free(tile_start);
 }
 
 int sm_cpu_supported(void) {

@@ -2,7 +2,8 @@
 
 `paged_attention_forward` uses it in rowwise mode (int8 and int4 models) when the cache and queries are float32 and
 the head size is a multiple of 8; otherwise, or where it cannot be built, attention falls back to per-row SDPA. Rows
-(and a short batch's KV heads) are split over the kernel's own thread pool (`cpu_pool.h`), as many threads as the
+that share a key list (a chain's new tokens) run in tiles that read each key block once for all of them; tiles (and
+a short batch's KV heads) are split over the kernel's own thread pool (`cpu_pool.h`), as many threads as the
 step's budget (kernel_threads.py); every output is computed the same way whatever the split.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from pathlib import Path
 
 import torch
@@ -30,7 +32,24 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.sm_paged_attention.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, ctypes.c_int]
     lib.sm_paged_attention.restype = None
+    lib.sm_row_tile.restype = ctypes.c_int
     return lib
+
+
+class _Scratch(threading.local):
+    buffer: torch.Tensor | None = None
+
+
+_scratch = _Scratch()
+
+
+def scratch(num_floats: int) -> torch.Tensor:
+    """This thread's kernel scratch of at least `num_floats` floats, kept between calls (a forward calls the kernel
+    once a layer; a fresh multi-MB buffer each time would fault its pages in again)."""
+    buffer = _scratch.buffer
+    if buffer is None or buffer.numel() < num_floats:
+        buffer = _scratch.buffer = torch.empty(num_floats, dtype=torch.float32)
+    return buffer
 
 
 def supports(head_dim: int, dtype: torch.dtype) -> bool:
@@ -50,8 +69,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     threads = max(1, num_kernel_threads() if threads is None else threads)
     query = query.contiguous()
     out = torch.empty_like(query)
-    scratch = torch.empty(threads * heads * (max(1, max_len) + 1), dtype=torch.float32)  # per thread: probs, inv
+    work = scratch(threads * lib.sm_row_tile() * heads * (max(1, max_len) + 1))   # per thread: a tile's probs, inv
     lib.sm_paged_attention(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), key_slots.data_ptr(),
                            row_start.data_ptr(), row_len.data_ptr(), rows, heads, key_cache.shape[1], head_dim,
-                           scale, scratch.data_ptr(), out.data_ptr(), threads)
+                           scale, work.data_ptr(), out.data_ptr(), threads)
     return out
