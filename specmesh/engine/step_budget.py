@@ -25,9 +25,9 @@ worst gap reach ~4.5x. On a simulated clock (bench/step_budget_sim.py, a 4000-to
 20 ms between rounds): issue 27's AVX-512 host, F = 2: longest gap 2.9x the median, time to first token 1.77x alone;
 F = 3: 4.4x and 1.41x; token budget only: 188x and 1.00x. On the real pair (2-core Zen 4, int4, attention on both
 cores, `python -m bench.stall --configs target`): F = 2: 2.6x and 1.77x; F = 2.5: 4.0x and 1.55x; F = 3: 5.0x and
-1.52x (steps ~0.95x their bound at the median, a few 1.3-1.6x on a shared host). On a host where tokens are cheap and a chunk long
-(1 ms a token, 1 us an attention pair), F = 2 keeps 2.9x with the pairs priced and reaches 3.6x without.
-min_prefill_tokens = 4 stays inside F decode steps on the
+1.52x (steps ~0.95x their bound at the median, a few 1.3-1.6x on a shared host). On a host where tokens are cheap
+and a chunk long (1 ms a token, 1 us an attention pair), F = 2 keeps 2.9x with the pairs priced and reaches 3.6x
+without. min_prefill_tokens = 4 stays inside F decode steps on the
 CPUs measured alone (a token beyond the first few costs 0.18-0.45 of a one-token forward: Zen 4, Zen 3, Zen 1), so
 the floor rarely decides there; beside a stream late in a 4k prompt on an AVX2 Zen 3 (two sequences, attention over
 ~4k positions) it does: steps of 3-4.3x a decode, bench.stall's longest gap 7x the median.
