@@ -66,11 +66,17 @@ class ModelRunner:
 
     def forward_flat(self, items: Sequence[ForwardItem]) -> torch.Tensor:
         """float32 logits [sum of num_logits, vocab]: every item's rows back to back, in item order. The thread
-        budget is torch's thread count; with int4 linears it goes to their kernels, and torch's own (small) ops run
-        on one thread meanwhile, so that the two thread pools do not spin against each other."""
+        budget is torch's thread count; with int4 linears it goes to the C kernels (int4 matmuls, attention), and
+        torch's own (small) ops run on one thread meanwhile, so that the thread pools do not spin against each
+        other."""
         threads = torch.get_num_threads()
-        if not self.own_kernel_threads or threads == 1:
+        if threads == 1:
             return self._forward_flat(items)
+        if not self.own_kernel_threads:
+            # torch's pool runs the linears: the attention kernel stays on one thread (its own pool beside torch's
+            # spinning one made an int8 1.5B decode at 2k positions 82 ms instead of 71 on a 2-core Zen 4)
+            with kernel_threads(1):
+                return self._forward_flat(items)
         torch.set_num_threads(1)
         try:
             with kernel_threads(threads):
