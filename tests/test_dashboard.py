@@ -72,8 +72,10 @@ async def scraped() -> dict[str, set[str]]:
         telemetry=TelemetryConfig(metrics_port=ports["draft"])))
     verifier = Running(verifier_server, await verifier_server.start("127.0.0.1", 0), verifier_engine)
     draft = Running(draft_server, await draft_server.start("127.0.0.1", 0), draft_engine)
+    # Tiers with the request's fixed k: every round drafts, so the per-position and per-source draft counters exist
+    # (suffix drafting chooses per round by measured cost, and may leave a 16-token generation undrafted).
     gateway_server = await build_gateway(GatewayConfig(
-        port=0, verifier_addr=verifier.addr, draft_addr=draft.addr,
+        port=0, verifier_addr=verifier.addr, draft_addr=draft.addr, suffix_drafting=False,
         telemetry=TelemetryConfig(metrics_port=ports["gateway"])), wait_for_verifier_s=30)
     gateway = Running(gateway_server, await gateway_server.start("127.0.0.1", 0))
     try:
