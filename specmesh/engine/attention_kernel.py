@@ -36,6 +36,14 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+@functools.cache
+def row_tile() -> int:
+    """Rows the kernel runs together over one key list (its ROW_TILE): a thread's scratch holds one tile's."""
+    lib = library()
+    assert lib is not None, "check supports() first"
+    return int(lib.sm_row_tile())
+
+
 class _Scratch(threading.local):
     buffer: torch.Tensor | None = None
 
@@ -69,7 +77,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     threads = max(1, num_kernel_threads() if threads is None else threads)
     query = query.contiguous()
     out = torch.empty_like(query)
-    work = scratch(threads * lib.sm_row_tile() * heads * (max(1, max_len) + 1))   # per thread: a tile's probs, inv
+    work = scratch(threads * row_tile() * heads * (max(1, max_len) + 1))   # per thread: a tile's probs, inv
     lib.sm_paged_attention(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), key_slots.data_ptr(),
                            row_start.data_ptr(), row_len.data_ptr(), rows, heads, key_cache.shape[1], head_dim,
                            scale, work.data_ptr(), out.data_ptr(), threads)

@@ -2,7 +2,8 @@
 
 With int4 linears the runner puts torch on one thread during a forward (so that torch's pool and the kernels' pools
 do not spin against each other on the same cores) and hands the step's thread budget to the kernels through
-`kernel_threads`; outside it they use torch's thread count.
+`kernel_threads`; where torch's pool runs the linears (int8, float32) the runner gives the attention kernel one
+thread the same way. Outside it they use torch's thread count.
 """
 
 from __future__ import annotations
