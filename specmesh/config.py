@@ -119,7 +119,7 @@ class VerifierConfig:
     port: int = 50061
     engine: EngineConfig = EngineConfig()
     max_draft_tokens: int = 64         # draft tokens per Verify (more: INVALID_ARGUMENT)
-    decode_ahead_tokens: int = 8       # greedy sessions decode up to this many tokens ahead while idle; 0 = off
+    decode_ahead_tokens: int = 8       # idle sessions decode up to this many tokens ahead (decode_ahead.py); 0 = off
     decode_ahead_threads: int = 0      # torch threads of a step that only decodes ahead (1 on a host shared with the
                                        # draft service: its core stays free); 0 = as any step
     decode_ahead_guesses: bool = True  # steps that decode ahead fill their free rows with prompt-lookup guesses

@@ -1,7 +1,8 @@
 """Invariant 2 through the full stack: sampled tokens follow the target's (processed) distribution exactly,
 whether the drafts are accepted (identical draft) or mostly rejected (unrelated draft: residual resampling), for
 unseeded requests (rejection sampling) and seeded ones (position-keyed Gumbel-max, specmesh/spec/seeded.py: one sample
-per seed)."""
+per seed), and with the verifier decoding ahead (`same-ahead`: a token may come from an ahead step, and drafts meet
+it first)."""
 
 from __future__ import annotations
 
@@ -27,12 +28,14 @@ PARAMS = SamplingParams(temperature=1.0, top_k=4)
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stack():
     verifier = await start_verifier()
+    ahead = await start_verifier(decode_ahead_tokens=8)      # the service default: sessions decode ahead while idle
     same = await start_draft("tiny-draft")
     unrelated = await start_draft("tiny-draft-unrelated")
     gateways = {"same": await start_gateway(verifier.addr, same.addr),
-                "unrelated": await start_gateway(verifier.addr, unrelated.addr)}
+                "unrelated": await start_gateway(verifier.addr, unrelated.addr),
+                "same-ahead": await start_gateway(ahead.addr, same.addr)}
     yield gateways
-    for running in (*gateways.values(), same, unrelated, verifier):
+    for running in (*gateways.values(), same, unrelated, verifier, ahead):
         await running.stop()
 
 
@@ -65,7 +68,7 @@ def assert_follows(samples: list[int], probs: torch.Tensor, seeded: bool = True)
 
 
 @pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
-@pytest.mark.parametrize("draft", ["same", "unrelated"])
+@pytest.mark.parametrize("draft", ["same", "unrelated", "same-ahead"])
 async def test_sampled_tokens_follow_the_target_distribution(stack, draft: str, seeded: bool) -> None:
     tok = AutoTokenizer.from_pretrained(str(resolve_model_dir("tiny-target")))
     prompt_ids = tok(PROMPT)["input_ids"]

@@ -1,8 +1,9 @@
 """Decoding ahead: what a verify asks once the target has already decoded tokens past the caller's context.
 
-A greedy session's verifier does not idle between verifies: while the caller drafts (or while its answer travels),
-the engine decodes the target's own next tokens ("ahead" tokens; they are what target-only greedy decoding would
-emit, and with batch-invariant numerics the same numbers a verify forward would compute). When the next verify
+A session's verifier does not idle between verifies: while the caller drafts (or while its answer travels), the
+engine decodes the target's own next tokens ("ahead" tokens; they are what target-only decoding would emit: the
+argmax, a seeded session's seeded draw, an unseeded one's draw from p; with batch-invariant numerics from the same
+numbers a verify forward would compute). Which sessions may: verifier_service/decode_ahead.py. When the next verify
 arrives, its drafts are first checked against those tokens, on plain ints:
 
 * a draft that differs from the ahead token at its position is rejected, and the ahead token is the target's token
@@ -32,7 +33,7 @@ class AheadMatch:
 
 
 def match_ahead(ahead_ids: Sequence[int], draft_ids: Sequence[int], parents: Sequence[int] | None) -> AheadMatch:
-    """ahead_ids: the target's own greedy tokens after the caller's context (at least one); draft_ids / parents:
+    """ahead_ids: the target's own tokens after the caller's context (at least one); draft_ids / parents:
     the verify's drafts (parents None = a chain)."""
     tree = list(parents) if parents is not None else chain_parents(len(draft_ids))
     node, path = ROOT, list[int]()

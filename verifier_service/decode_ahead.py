@@ -29,6 +29,19 @@ class AheadCounts:
         return {f"ahead_{name}": value for name, value in dataclasses.asdict(self).items()}
 
 
+def may_decode_ahead(session: Session) -> bool:
+    """Whether tokens decoded ahead leave this session's verdicts as they would be. Greedy and seeded sessions: always
+    (a draft is accepted iff it equals the target's own token at its position, the argmax or the seeded draw, and an
+    ahead token is that token). An unseeded sampled session: unless its last verify carried the draft model's
+    drafts. Its ahead token is a fresh draw from p, and a draft meeting one is accepted iff equal to it: for a one-hot
+    draft d (n-gram, cache, suffix, none) that happens with probability p(d), as under rejection sampling, and the
+    token emitted is p's draw either way, so the output stays distributed exactly as p. For a model draft from q,
+    rejection sampling accepts with probability sum_v min(p(v), q(v)), more than a match with an independent draw
+    (sum_v p(v) q(v)): decoding ahead there would cost acceptance."""
+    params = session.params
+    return params.is_greedy or params.seed is not None or not session.drafting
+
+
 class DecodeAhead:
     def __init__(self, max_tokens: int, max_model_len: int, eos_token_ids: frozenset[int]) -> None:
         self.max_tokens = max_tokens     # past what the caller received; 0: never decode ahead
@@ -39,9 +52,9 @@ class DecodeAhead:
         self.counts = AheadCounts()
 
     def sessions(self, sessions: Iterable[Session], block_manager: BlockManager) -> list[Session]:
-        """Sessions that may decode one more token ahead now: greedy, idle, KV up to date, under the ahead limit and
-        their token budget, last token not an end of sequence. Never more than the free KV blocks allow without
-        preempting anybody (a quarter of the pool stays free for verifies)."""
+        """Sessions that may decode one more token ahead now (`may_decode_ahead`): idle, KV up to date, under the
+        ahead limit and their token budget, last token not an end of sequence. Never more than the free KV blocks
+        allow without preempting anybody (a quarter of the pool stays free for verifies)."""
         if self.max_tokens <= 0:
             return []
         bm = block_manager
@@ -51,7 +64,7 @@ class DecodeAhead:
             seq, n = s.seq, len(s.seq.token_ids)
             if room <= 0:
                 break
-            if (s.started and not s.busy and s.params.is_greedy and seq.allocated and seq.num_computed == n - 1
+            if (s.started and not s.busy and may_decode_ahead(s) and seq.allocated and seq.num_computed == n - 1
                     and n - s.num_delivered < self.max_tokens and n < min(s.max_len, self.max_model_len)
                     and seq.token_ids[-1] not in self.eos_token_ids):
                 out.append(s)

@@ -10,10 +10,12 @@ splits them. Node i's KV lands in the slot of its index (position len(token_ids)
 path's KV is moved to contiguous positions (`ModelRunner.move_kv`), and the usual truncate drops the rest, so the
 block manager sees exactly what a chain verify would leave.
 
-Decoding ahead (`verifier_service/ahead.py`): when no verify is waiting, idle greedy sessions decode the target's
-own next tokens, up to `ahead.max_tokens` past what the caller has received (`Session.num_delivered`). Those tokens
-join `token_ids` like any verified token (they are exactly what target-only greedy decoding emits); the next verify
-checks its drafts against them first and leaves with all of them, so the target never waits for a draft.
+Decoding ahead (`verifier_service/ahead.py`): idle sessions decode the target's own next tokens, up to
+`ahead.max_tokens` past what the caller has received (`Session.num_delivered`): greedy and seeded sessions always,
+unseeded sampled ones unless they draft with the draft model (`decode_ahead.may_decode_ahead`). Those tokens join
+`token_ids` like any verified token (they are what target-only decoding emits: the argmax, the seeded draw, or a
+draw from p); the next verify checks its drafts against them first and leaves with all of them, so the target never
+waits for a draft.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ import torch
 from opentelemetry.trace import SpanContext
 
 from specmesh.engine.batched import BatchedEngine
-from specmesh.engine.batched_rejection import greedy_accept
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.forward_cost import Fit
 from specmesh.engine.loop import Completion, EngineError
@@ -45,7 +46,7 @@ from verifier_service.forward_share import ForwardShare, VerifyResult
 from verifier_service.gather import ReturnGather
 from verifier_service.messages import AHEAD_STEP, NO_CALLER, Caller, Drafts, End, Start, Verify, VerifyRequest
 from verifier_service.session import Session
-from verifier_service.verdicts import chain_verdict, greedy_rows, tree_verdict
+from verifier_service.verdicts import chain_verdict, tree_verdict
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class VerifierEngine(BatchedEngine[VerifyRequest]):
         super().__init__("verifier-engine", runner, block_manager, max_num_batched_tokens, max_num_seqs, num_threads)
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.ahead = DecodeAhead(max_ahead_tokens, max_model_len, self.eos_token_ids)   # idle greedy sessions
+        self.ahead = DecodeAhead(max_ahead_tokens, max_model_len, self.eos_token_ids)   # idle sessions
         self.metrics.registry.register(StatsCollector({"verifier": self.ahead.counts.stats}))
         self._ahead_beside_drafts = False          # the step only decodes ahead, for a session that drafts
         self._ahead_stalled = False                # the last ahead step could run none: wait for a message
@@ -171,9 +172,9 @@ class VerifierEngine(BatchedEngine[VerifyRequest]):
         if not ahead_ids:
             self._enqueue_in_room(session, msg, msg.draft_ids, msg.draft_dists, msg.draft_parents)
             return
-        # Decoded ahead of the caller (greedy only): the drafts meet those tokens first. Either that settles the
-        # verdict (answered at once, with every token decoded ahead) or the drafts below them are verified from the
-        # last one. Greedy verification reads no draft probabilities, so none are passed on.
+        # Decoded ahead of the caller (decode_ahead.may_decode_ahead): the drafts meet those tokens first. Either
+        # that settles the verdict (answered at once, with every token decoded ahead) or the drafts below them are
+        # verified from the last one, with their own draft probabilities (a sampled session's rejection sampling).
         match = match_ahead(ahead_ids, msg.draft_ids, msg.draft_parents)
         if match.resolved:
             self.ahead.delivered(session, len(ahead_ids))
@@ -181,7 +182,8 @@ class VerifierEngine(BatchedEngine[VerifyRequest]):
                                               num_batch_tokens=0, num_waiting=self.scheduler.num_waiting,
                                               cost=self._verify_fit(len(msg.draft_ids) + 1)))
             return
-        self._enqueue_in_room(session, msg, match.rest_ids, None, match.rest_parents, match.rest_indices,
+        rest_dists = [msg.draft_dists[i] for i in match.rest_indices] if msg.draft_dists else None
+        self._enqueue_in_room(session, msg, match.rest_ids, rest_dists, match.rest_parents, match.rest_indices,
                               tuple(match.path))
 
     def _enqueue_in_room(self, session: Session, msg: Verify, draft_ids: list[int],
@@ -223,7 +225,7 @@ class VerifierEngine(BatchedEngine[VerifyRequest]):
         return self.scheduler.num_waiting > 0 or (not self._ahead_stalled and bool(self._ahead_sessions()))
 
     def step(self) -> None:
-        """Idle greedy sessions decode one token ahead each, in the step's one forward beside whatever waits (a
+        """Idle sessions decode one token ahead each, in the step's one forward beside whatever waits (a
         verify's rows, a prompt's chunks), plus the guesses that fit the forward's free rows. Their requests never
         outlive the step, so a verify arriving next finds none of them queued. Beside a waiting verify a row costs
         a fraction of the forward it joins (int4, 2 cores: 8 rows 76 ms, 1 row 47 ms); held back, the 7 idle streams
@@ -288,7 +290,7 @@ class VerifierEngine(BatchedEngine[VerifyRequest]):
         session, drafts = req.session, req.drafts
         seq = session.seq
         if drafts.is_ahead_step:             # the pending token's next token, after any guesses it confirms
-            emitted = greedy_accept(self._greedy_rows(req, session, logits), req.extra_ids)
+            emitted = self._sample(req, session, logits, None)       # guesses are one-hot drafts
             self._commit(session, emitted, len(emitted) - 1)
             self.ahead.decoded(session, len(req.extra_ids), len(emitted) - 1)
             self.share.emitted(len(emitted))
@@ -345,9 +347,6 @@ class VerifierEngine(BatchedEngine[VerifyRequest]):
             return
         slots = self.block_manager.slot_mapping(seq.seq_id, base, base + accepted[-1] + 1)
         self.runner.move_kv([slots[src - base] for src, _ in moves], [slots[dst - base] for _, dst in moves])
-
-    def _greedy_rows(self, req: VerifyRequest, session: Session, logits: torch.Tensor) -> list[int]:
-        return greedy_rows(session, logits, req.extra_ids, lambda: self.argmax_rows(req))
 
     def _sample_tree(self, session: Session, logits: torch.Tensor, node_ids: Sequence[int], parents: Sequence[int],
                      dists: list[SparseDist] | None) -> tuple[list[int], int]:
