@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 
+from specmesh.spec import sampling
 from specmesh.spec.sampling import (
     SamplingParams,
     inverse_cdf_index,
@@ -137,3 +139,31 @@ def test_sample_sparse_distribution_and_errors() -> None:
     for bad_ids, bad_ps in (([1], [0.5, 0.5]), ([], []), ([1, 2], [0.0, 0.0]), ([1], [-1.0])):
         with pytest.raises(ValueError):
             sample_sparse(bad_ids, bad_ps, gen)
+
+
+def test_top_k_top_p_from_the_most_likely_candidates_equal_the_full_sort() -> None:
+    """Rows ranked from their NUM_CANDIDATES most likely tokens keep exactly the tokens a sort of the whole vocabulary
+    keeps: peaked and flat rows, ties at the candidates' edge, nuclei that end inside the candidates and past them."""
+    generator = torch.Generator().manual_seed(0)
+    num_vocab = 3 * sampling.NUM_CANDIDATES
+    rows = [torch.randn(num_vocab, generator=generator, dtype=torch.float64) * scale for scale in (0.1, 1.0, 4.0, 12.0)]
+    tied = torch.zeros(num_vocab, dtype=torch.float64)
+    tied[: sampling.NUM_CANDIDATES + 50] = 1.0                  # ties across the candidates' last place
+    rows += [tied, torch.linspace(0.0, 1.0, num_vocab, dtype=torch.float64).flip(0)]
+    decided_by_candidates = sorted_whole = 0
+    for logits in rows:
+        probs = torch.softmax(logits, dim=-1)
+        top_ks = (0, 1, 7, 40, sampling.NUM_CANDIDATES + 10, num_vocab)
+        for top_k, top_p in itertools.product(top_ks, (1.0, 0.5, 0.9, 0.999)):
+            if not top_k and top_p == 1.0:
+                continue
+            k = top_k if top_k < num_vocab else 0
+            full = torch.zeros(num_vocab, dtype=torch.bool)
+            full[sampling._kept_by_full_sort(probs, k, top_p)] = True
+            fast = sampling._filter_top_k_top_p(probs[None], top_k, top_p)[0] > 0
+            assert torch.equal(fast, full), (top_k, top_p, int(fast.sum()), int(full.sum()))
+            if sampling._top_ranked(probs, k, top_p) is None:
+                sorted_whole += 1
+            else:
+                decided_by_candidates += 1
+    assert decided_by_candidates > 40 and sorted_whole > 5     # both ways were taken
