@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import free_port_block, log, result_paths, run_metadata, split_csv, write_json
+from bench.common import free_port_block, log, parse_env, result_paths, run_metadata, split_csv, write_json
 from bench.serving_peer import find_server, running_server, target_gguf
 from specmesh.models import resolve_model_dir
 from specmesh.ops.launcher import PRESETS, Stack, StackConfig
@@ -49,6 +49,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--guidellm", default=str(GUIDELLM))
     p.add_argument("--name", default="guidellm-sweep")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment for specmesh's services, e.g. SPECMESH_GATEWAY_TRACE_FILE=g.jsonl")
     return p.parse_args(argv)
 
 
@@ -63,7 +65,8 @@ def specmesh_http(args: argparse.Namespace) -> Iterator[str]:
     target, draft = PRESETS[args.preset]
     base = free_port_block(4)
     stack = Stack(StackConfig(target=target, draft=draft, gateway_port=base, verifier_port=base + 1,
-                              draft_port=base + 2, http_port=base + 3, num_threads=args.threads))
+                              draft_port=base + 2, http_port=base + 3, num_threads=args.threads,
+                              extra_env=parse_env(args.env)))
     log(f"starting the {args.preset} stack, HTTP on {base + 3}")
     stack.start()
     try:
