@@ -190,10 +190,14 @@ async def test_sampled_tree_rounds_accept_a_root_path(verifier, tokenizer) -> No
             reply = await session.verify(token_ids, parents, q)
             path = list(reply.accepted_node_indices)
             assert all(parents[b] == a for a, b in zip([-1, *path], path, strict=False))
-            assert [token_ids[i] for i in path] == list(reply.token_ids[:-1])
+            # the path's tokens, then the target's (and, decoding ahead, any further tokens it decoded meanwhile)
+            assert [token_ids[i] for i in path] == list(reply.token_ids[:len(path)])
+            assert len(reply.token_ids) == len(path) + 1 or running.engine.ahead.max_tokens > 0
         await session.end()
         outputs.append(session.output)
-    assert outputs[0] == outputs[1]
+    # a seeded session's tokens depend on the seed alone, not on the drafts (nor on how many were decoded ahead)
+    num_common = min(map(len, outputs))
+    assert num_common >= 7 and outputs[0][:num_common] == outputs[1][:num_common]
     await wait_blocks_free(running)
 
 
