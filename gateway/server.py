@@ -21,7 +21,6 @@ from gateway.safe_parse import add_generation_servicer
 from gateway.servicer import GenerationServicer, ModelInfo
 from gateway.text_stream import IncrementalDetokenizer
 from gateway.tiers import build_tiers
-from gateway.warm_up import warm_up
 from protos.specmesh.v1 import draft_pb2_grpc, generate_pb2, verifier_pb2, verifier_pb2_grpc
 from specmesh.config import GatewayConfig
 from specmesh.models import resolve_model_dir
@@ -91,7 +90,6 @@ class Gateway:
     metrics: GatewayMetrics            # one registry: the metrics port and the HTTP API's /metrics
     watch: VerifierWatch               # readiness: some verifier replica answers
     verifiers: VerifierPool            # the replicas now (discovery keeps it current)
-    servicer: GenerationServicer
 
 
 async def build_gateway(config: GatewayConfig, wait_for_verifier_s: float = 600.0,
@@ -124,8 +122,6 @@ async def build_gateway_parts(config: GatewayConfig, wait_for_verifier_s: float 
     tiers = build_tiers(config, info.model_name, config.tokenizer or info.model_name, info.vocab_size)
     metrics = GatewayMetrics()
     servicer = GenerationServicer(config, tokenizer, model, verifiers, draft, tiers, metrics)
-    if draft is not None and servicer.priors is not None:
-        await warm_up(servicer, config.warm_up_tokens)             # before SERVING: no request measures the model
     log.info("gateway for %s (context %d, draft %s)", info.model_name, info.max_model_len, config.draft_addr or "off")
     refusals = public_refusal_counter(metrics)
     server = ServiceServer([SERVICE_NAME], lambda s: add_generation_servicer(servicer, s), credentials,
@@ -144,4 +140,4 @@ async def build_gateway_parts(config: GatewayConfig, wait_for_verifier_s: float 
     server.on_stop.append(tiers.close)
     server.stats["drafting"] = tiers.snapshot
     server.stats["round_outcomes"] = servicer.outcomes.snapshot   # specmesh_round_outcomes_* counters
-    return Gateway(server, model, tokenizer, metrics, watch, verifiers, servicer)
+    return Gateway(server, model, tokenizer, metrics, watch, verifiers)

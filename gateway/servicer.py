@@ -116,51 +116,24 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             if self.priors is not None and generation.cost_model is not None:
                 self.priors.finish(prior_key, generation.cost_model)
             # A cancelled client must still release its KV blocks: run the cleanup as its own task.
-            self._close_later(generation)
-
-    async def warm_up(self, prompt: str, max_new_tokens: int, temperature: float) -> int:
-        """A generation nobody waits for (gateway/warm_up.py): its rounds are booked as an ended request's, tenant-less
-        and alone; no request metrics. Returns the tokens it emitted."""
-        request = generate_pb2.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, ignore_eos=True,
-                                               sampling=common_pb2.SamplingParams(temperature=temperature))
-        params = validate_request(request, self.tokenizer, self.config, self.model.max_model_len, "warm-up")
-        generation = self._new_generation(params, None)
-        generation.session.tenant = DEFAULT_TENANT
-        key = PriorKey("", not params.sampling.is_greedy)
-        if self.priors is not None and generation.cost_model is not None:
-            self.priors.start(key, generation.cost_model, alone=self._num_running == 0)
-        self._num_running += 1
-        try:
-            async for _ in generation.rounds():
-                pass
-        finally:
-            self._num_running -= 1
-            if self.priors is not None and generation.cost_model is not None:
-                self.priors.finish(key, generation.cost_model)
-            self._close_later(generation)          # (ending a session retries while a service is down)
-        return len(generation.output_ids)
-
-    def _close_later(self, generation: Generation) -> None:
-        task = asyncio.ensure_future(generation.close())
-        self._cleanups.add(task)
-        task.add_done_callback(self._cleanups.discard)
+            task = asyncio.ensure_future(generation.close())
+            self._cleanups.add(task)
+            task.add_done_callback(self._cleanups.discard)
 
     def _prior_key(self, params: GenerationParams, context: grpc.aio.ServicerContext) -> PriorKey:
         tenant = tenant_from_metadata(context.invocation_metadata(), self.tiers.api_keys if self.tiers else None)
         return PriorKey(tenant or "", not params.sampling.is_greedy)
 
-    def _new_generation(self, params: GenerationParams, context: grpc.aio.ServicerContext | None,
+    def _new_generation(self, params: GenerationParams, context: grpc.aio.ServicerContext,
                         trace_context: Context | None = None) -> Generation:
-        """context None: the gateway's own generation (warm_up): no deadline, no metadata."""
         session_id = new_session_id(params.request_id)     # within the services' session id bound
-        remaining = context.time_remaining() if context is not None else None
-        metadata = context.invocation_metadata() if context is not None else ()
+        remaining = context.time_remaining()
         verifier_timeout = min(self.config.verifier_timeout_s, remaining) if remaining else \
             self.config.verifier_timeout_s
         drafting = request_drafting(self.config, params.num_draft_tokens,
                                     DraftSession(session_id, params.sampling, verifier_timeout, self.outcomes),
                                     self.draft, self.tiers,
-                                    self.tiers.tenant(metadata or ()) if self.tiers else None)
+                                    self.tiers.tenant(context.invocation_metadata()) if self.tiers else None)
         generation = Generation(params, session_id, self.verifiers, drafting.drafter, verifier_timeout,
                                 trace_context, drafting.cost_model, prefetch=self.config.draft_prefetch,
                                 overlap=self.config.overlap, eos_token_ids=self.model.eos_token_ids,

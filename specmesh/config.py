@@ -175,8 +175,6 @@ class GatewayConfig:
     adaptive_draft_length: bool = False    # tiers: pick k per round from acceptance and measured costs (<= the
                                            # request's); suffix drafting chooses per round on its own
     learned_priors: bool = True            # new requests start from what ended ones measured (learned_priors.py)
-    warm_up_tokens: int = 16               # before SERVING, a generation this long per book measures the draft
-                                           # model (warm_up.py); 0 = none (the first request measures)
     draft_prefetch: bool = False           # ask for the next block while the verifier works (hides the draft RTT);
                                            # off: with suffix drafting it made the choice pick the model less (eval)
     max_draft_tokens: int = 16             # largest per-request draft length accepted

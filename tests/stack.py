@@ -79,7 +79,6 @@ async def start_gateway(verifier_addr: str, draft_addr: str, resolver: Resolver 
     # suffix drafting. Fixed draft lengths too, unless a test opts into the adaptive controller; prefetch on unless a
     # test turns it off.
     overrides = {"enable_cache": False, "enable_ngram": False, "adaptive_draft_length": False, "suffix_drafting": False,
-                 "warm_up_tokens": 0,
                  "draft_prefetch": True, **overrides}
     config = GatewayConfig(port=0, verifier_addr=verifier_addr, draft_addr=draft_addr, **overrides)
     server = await build_gateway(config, wait_for_verifier_s=30, resolver=resolver)
