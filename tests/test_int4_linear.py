@@ -73,9 +73,10 @@ def test_a_row_is_bit_identical_alone_in_any_batch_and_at_any_thread_count(out_f
 
 
 @pytest.mark.skipif(len(ISAS) < 2, reason="this CPU has no AVX-512 VNNI")
-@pytest.mark.parametrize("m", [1, 2, 7, 37])
-def test_the_avx2_and_vnni_paths_give_bit_identical_outputs(m: int) -> None:
-    """A verifier on a VNNI CPU decodes exactly what one on an AVX2-only CPU decodes."""
+@pytest.mark.parametrize("m", [1, 2, 7, 16, 37, 200])
+def test_every_code_path_gives_bit_identical_outputs(m: int) -> None:
+    """A verifier on an AMX or VNNI CPU decodes exactly what one on an AVX2-only CPU decodes (AMX: whole 16-row
+    blocks, a zero-padded last block, more rows than one cached row block)."""
     layer = Int4GroupLinear(linear(8960 // 8, 1536, seed=3))
     x = torch.randn(m, 1536) * torch.linspace(0.1, 30.0, m)[:, None]
     outputs = []
@@ -85,7 +86,25 @@ def test_the_avx2_and_vnni_paths_give_bit_identical_outputs(m: int) -> None:
             outputs.append(layer(x))
     finally:
         int4_kernel.instruction_set(BEST_ISA)
-    assert torch.equal(outputs[0], outputs[1])
+    for name, output in zip(ISAS[1:], outputs[1:], strict=True):
+        assert torch.equal(output, outputs[0]), name
+
+
+@pytest.mark.skipif("amx" not in ISAS, reason="this CPU has no AMX")
+def test_amx_rows_are_bit_identical_to_one_row_decoding_in_every_layer_shape() -> None:
+    """Prefill-sized calls (AMX) give each row exactly what a one-row decode (VNNI) gives it, on two threads whose
+    output ranges end in a lone 8-channel tile."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for out_features, in_features in [(1536, 8960), (256, 1536), (24, 64)]:
+            layer = Int4GroupLinear(linear(out_features, in_features, seed=4))
+            x = torch.randn(19, in_features)
+            together = layer(x)
+            alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+            assert torch.equal(together, alone), (out_features, in_features)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_weights_on_the_grid_round_trip_exactly() -> None:

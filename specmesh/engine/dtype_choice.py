@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from specmesh.config import AUTO_DTYPE
 from specmesh.models.catalog import TINY_PRESETS
 
-ISA_NAMES = {"avx2": "AVX2", "avx512vnni": "AVX-512 VNNI"}
+ISA_NAMES = {"avx2": "AVX2", "avx512vnni": "AVX-512 VNNI", "amx": "AMX"}
 
 Probe = Callable[[], str]
 """Returns what makes a kernel usable (e.g. "AVX-512 VNNI"); raises with the reason when it is not."""

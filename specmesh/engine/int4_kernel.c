@@ -1,4 +1,5 @@
-/* Batch-invariant int4 x int8 matrix multiply for CPU inference (AVX2 + FMA + F16C), built by int4_kernel.py.
+/* Batch-invariant int4 x int8 matrix multiply for CPU inference (AVX2 + FMA + F16C; AVX-512 VNNI and AMX paths where
+   the CPU has them), built by int4_kernel.py.
 
 Weights: w[o, 32g + j] = scale[o, g] * q[o, g, j] + min[o, g], q in 0..15, scale and min in fp16: 5 bits per weight.
 Activations (per row r): x[r] = row_scale[r] * xq[r], xq int8 in [-127, 127], row_scale = absmax / 127.
@@ -19,11 +20,14 @@ k-token verification gives bit-identical logits to one-token decoding) nor on ho
 threads. Built without -ffast-math: the compiler must not reassociate the float sums.
 */
 
+#define _GNU_SOURCE            /* syscall() for arch_prctl */
 #include <immintrin.h>
 #include <math.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "cpu_pool.h"
 
@@ -223,19 +227,188 @@ static VNNI_TARGET void matmul_vnni(const int8_t *xq, const float *row_scale, co
     }
 }
 
-/* Instruction sets: 0 = AVX2, 1 = AVX-512 VNNI. The best the CPU has is chosen on first use; tests pin one. */
-enum { ISA_AVX2 = 0, ISA_VNNI = 1 };
-static atomic_int isa = -1;
+/* The same outputs on AMX (Sapphire Rapids and later), for calls with at least AMX_MIN_ROWS rows. One TDPBSUD
+   multiplies 16 activation rows (tile A: 16 rows x the 32 int8 inputs of one group, straight from xq) by 16 output
+   channels (tile B: the group's weights of two adjacent 8-channel tiles, unpacked to one byte each) into 16 x 16
+   exact int32 group sums (tile C), the same integers the VNNI path adds up. B's 8 rows are the group's 8 quads of
+   inputs; quad 2s is block s's low nibbles (inputs 8s..8s+3), quad 2s+1 its high nibbles, each row channel-major:
+   exactly the unpacked 256-bit vectors of the VNNI loop, the two tiles side by side. From C on, a row's 16
+   channels see the VNNI path's float steps (convert, FMA by the group's scale in group order; the min terms' own FMA
+   chain; one final FMA by the row scale plus bias), in 512-bit registers, so the outputs are bit-identical. A call's
+   last, partial row block reads its rows from a zero-padded copy; a lone output tile at the end of a range runs on
+   the VNNI path. */
+#define AMX_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8")))
+#define AMX_ROWS 16          /* activation rows per tile */
+#define AMX_MIN_ROWS 24      /* fewer rows in a call: the VNNI path, faster there (see the measurements above) */
+#define AMX_ROW_BLOCK 128    /* activation rows kept in cache while every output tile pair passes over them */
+#define AMX_B_BYTES 512      /* one group of a tile pair: 8 quads x 16 channels x 4 bytes */
 
-static int best_isa(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") ? ISA_VNNI : ISA_AVX2;
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config_t;
+
+/* Tiles 0, 1: C (16 rows x 16 int32); 2, 3: A (16 rows x 32 bytes); 4, 5: B (8 rows x 64 bytes). Two of each let
+   the next group's multiply start while this group's sums are converted. Per thread: tile state is thread-local. */
+static AMX_TARGET void amx_configure(void) {
+    amx_config_t c;
+    __builtin_memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 2; t++) {
+        c.colsb[t] = 64; c.rows[t] = AMX_ROWS;
+        c.colsb[2 + t] = GROUP; c.rows[2 + t] = AMX_ROWS;
+        c.colsb[4 + t] = 64; c.rows[4 + t] = GROUP / 4;
+    }
+    _tile_loadconfig(&c);
 }
 
-/* Pins the instruction set (a value the CPU lacks is refused); returns the one in use. Negative: just report it. */
+/* The weights of output tiles (tile, tile + 1), every group, as B tiles: b [groups][8 quads][16 channels x 4]; their
+   scales and minimums as floats: scale_f, min_f [groups][16 channels]. */
+static inline AMX_TARGET void amx_unpack_pair(int64_t tile, int64_t groups, const uint8_t *wq, const uint16_t *scales,
+                                              const uint16_t *mins, uint8_t *b, float *scale_f, float *min_f) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *lo = wq + (tile * groups + g) * 4 * 32, *hi = wq + ((tile + 1) * groups + g) * 4 * 32;
+        uint8_t *out = b + g * AMX_B_BYTES;
+        for (int s = 0; s < 4; s++) {
+            const __m256i p0 = _mm256_loadu_si256((const __m256i *)(lo + s * 32));
+            const __m256i p1 = _mm256_loadu_si256((const __m256i *)(hi + s * 32));
+            _mm256_store_si256((__m256i *)(out + 2 * s * 64), _mm256_and_si256(p0, low));
+            _mm256_store_si256((__m256i *)(out + 2 * s * 64 + 32), _mm256_and_si256(p1, low));
+            _mm256_store_si256((__m256i *)(out + (2 * s + 1) * 64), _mm256_and_si256(_mm256_srli_epi16(p0, 4), low));
+            _mm256_store_si256((__m256i *)(out + (2 * s + 1) * 64 + 32),
+                               _mm256_and_si256(_mm256_srli_epi16(p1, 4), low));
+        }
+        const int64_t i0 = (tile * groups + g) * LANES, i1 = ((tile + 1) * groups + g) * LANES;
+        _mm512_store_ps(scale_f + g * 16, _mm512_cvtph_ps(_mm256_set_m128i(
+            _mm_loadu_si128((const __m128i *)(scales + i1)), _mm_loadu_si128((const __m128i *)(scales + i0)))));
+        _mm512_store_ps(min_f + g * 16, _mm512_cvtph_ps(_mm256_set_m128i(
+            _mm_loadu_si128((const __m128i *)(mins + i1)), _mm_loadu_si128((const __m128i *)(mins + i0)))));
+    }
+}
+
+/* Group g's sums (C tile `c`, 16 rows x 16 channels) stored to `sums`: issued one group ahead of their fold, so the
+   tile store has reached the cache when the vector loads read it. */
+#define AMX_SUMS(c, a, bt, g, sums) do {      /* tile numbers must be literals (they are pasted into asm) */  \
+        _tile_zero(c);                                                                                       \
+        _tile_loadd(a, xa + (g) * GROUP, lda);                                                               \
+        _tile_loadd(bt, b + (g) * AMX_B_BYTES, 64);                                                          \
+        _tile_dpbsud(c, a, bt);                                                                              \
+        _tile_stored(c, sums, 64);                                                                           \
+    } while (0)
+
+/* The VNNI path's FMA by the group's scale, for the block's first `cap` rows. */
+#define AMX_FOLD(g, sums) do {                                                                               \
+        const __m512 sc = _mm512_load_ps(scale_f + (g) * 16);                                               \
+        for (int r = 0; r < cap; r++)                                                                        \
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((sums) + r * 16)), sc, acc[r]);   \
+    } while (0)
+
+/* Output tiles (tile, tile + 1) for 16 activation rows at xa (row stride lda); rows [0, valid) are written to y's
+   rows r0.. (the rest are padding). Only the first `cap` >= valid rows (a constant per call site, so that the
+   accumulators stay in registers) are converted: a small verify pays for its own rows. */
+static inline __attribute__((always_inline)) AMX_TARGET void amx_block(
+        int64_t tile, const int8_t *xa, int64_t lda, int64_t r0, int valid, const int cap, int64_t k, int64_t n,
+        const float *row_scale, const float *xsum, const uint8_t *b, const float *scale_f, const float *min_f,
+        const float *bias, float *y) {
+    const int64_t groups = k / GROUP;
+    __attribute__((aligned(64))) int32_t sums[2][AMX_ROWS * 16];
+    const float *xs[AMX_ROWS];                  /* padding rows repeat the last valid row's sums (never written) */
+    for (int r = 0; r < cap; r++) xs[r] = xsum + (r0 + (r < valid ? r : valid - 1)) * groups;
+    __m512 acc[AMX_ROWS];
+    for (int r = 0; r < cap; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++)        /* the min terms first: each row's chain in group order */
+        for (int r = 0; r < cap; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r][g]), _mm512_load_ps(min_f + g * 16), acc[r]);
+    __attribute__((aligned(64))) float min_terms[AMX_ROWS * 16];
+    for (int r = 0; r < cap; r++) {
+        _mm512_store_ps(min_terms + r * 16, acc[r]);
+        acc[r] = _mm512_setzero_ps();
+    }
+    AMX_SUMS(0, 2, 4, 0, sums[0]);
+    for (int64_t g = 1; g < groups; g++) {
+        if (g & 1) AMX_SUMS(1, 3, 5, g, sums[1]);
+        else AMX_SUMS(0, 2, 4, g, sums[0]);
+        AMX_FOLD(g - 1, sums[(g - 1) & 1]);
+    }
+    AMX_FOLD(groups - 1, sums[(groups - 1) & 1]);
+    const __m512 bv = bias ? _mm512_loadu_ps(bias + tile * LANES) : _mm512_setzero_ps();
+    for (int r = 0; r < valid; r++)
+        _mm512_storeu_ps(y + (r0 + r) * n + tile * LANES,
+                         _mm512_fmadd_ps(_mm512_add_ps(acc[r], _mm512_load_ps(min_terms + r * 16)),
+                                         _mm512_set1_ps(row_scale[r0 + r]), bv));
+}
+
+static AMX_TARGET void matmul_amx(const int8_t *xq, const float *row_scale, const float *xsum, int64_t m, int64_t k,
+                                  const uint8_t *wq, const uint16_t *scales, const uint16_t *mins, const float *bias,
+                                  int64_t n, int64_t tile_begin, int64_t tile_end, float *y) {
+    static __thread uint8_t *scratch;           /* B tiles of one pair, then 16 zero-padded activation rows */
+    static __thread size_t capacity;
+    const int64_t groups = k / GROUP, pair_end = tile_begin + (tile_end - tile_begin) / 2 * 2;
+    const int64_t full = m / AMX_ROWS * AMX_ROWS, b_bytes = groups * AMX_B_BYTES;
+    const size_t need = (size_t)(b_bytes + 2 * groups * 16 * (int64_t)sizeof(float) + AMX_ROWS * k);
+    if (need > capacity) {
+        free(scratch);
+        scratch = aligned_alloc(64, (need + 63) & ~(size_t)63);
+        if (!scratch) abort();
+        capacity = need;
+    }
+    uint8_t *b = scratch;
+    float *scale_f = (float *)(scratch + b_bytes), *min_f = scale_f + groups * 16;
+    int8_t *padded = (int8_t *)(min_f + groups * 16);
+    if (full < m) {
+        __builtin_memset(padded, 0, (size_t)(AMX_ROWS * k));
+        __builtin_memcpy(padded, xq + full * k, (size_t)((m - full) * k));
+    }
+    amx_configure();
+    for (int64_t rb = 0; rb < m; rb += AMX_ROW_BLOCK) {
+        const int64_t re = rb + AMX_ROW_BLOCK < m ? rb + AMX_ROW_BLOCK : m;
+        for (int64_t tile = tile_begin; tile < pair_end; tile += 2) {
+            amx_unpack_pair(tile, groups, wq, scales, mins, b, scale_f, min_f);
+            for (int64_t r0 = rb; r0 < re; r0 += AMX_ROWS) {
+                const int valid = m - r0 < AMX_ROWS ? (int)(m - r0) : AMX_ROWS;
+                const int8_t *xa = r0 < full ? xq + r0 * k : padded;
+#define BLOCK(CAP) amx_block(tile, xa, k, r0, valid, CAP, k, n, row_scale, xsum, b, scale_f, min_f, bias, y)
+                if (valid <= 4) BLOCK(4);
+                else if (valid <= 8) BLOCK(8);
+                else BLOCK(AMX_ROWS);
+#undef BLOCK
+            }
+        }
+    }
+    _tile_release();
+    if (pair_end < tile_end)
+        matmul_vnni(xq, row_scale, xsum, m, k, wq, scales, mins, bias, n, pair_end, tile_end, y);
+}
+
+/* Instruction sets: 0 = AVX2, 1 = AVX-512 VNNI, 2 = AMX (VNNI below AMX_MIN_ROWS rows). The best the CPU has is
+   chosen on first use; tests pin one. */
+enum { ISA_AVX2 = 0, ISA_VNNI = 1, ISA_AMX = 2 };
+static atomic_int isa = -1;
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* AMX needs the CPU's flags and the kernel's leave to use the tile data state (once per process). */
+static int amx_usable(void) {
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8")) return 0;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+static int best_isa(void) {
+    static int best = -1;
+    if (best >= 0) return best;
+    __builtin_cpu_init();
+    const int vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+    best = !vnni ? ISA_AVX2 : (amx_usable() ? ISA_AMX : ISA_VNNI);
+    return best;
+}
+
+/* Pins the instruction set (one the CPU lacks is refused); returns the one in use. Negative: just report it. */
 int sm_set_isa(int wanted) {
     if (atomic_load(&isa) < 0) atomic_store(&isa, best_isa());
-    if (wanted == ISA_AVX2 || (wanted == ISA_VNNI && best_isa() == ISA_VNNI)) atomic_store(&isa, wanted);
+    if (wanted >= ISA_AVX2 && wanted <= best_isa()) atomic_store(&isa, wanted);
     return atomic_load(&isa);
 }
 
@@ -243,7 +416,10 @@ int sm_set_isa(int wanted) {
 void sm_int4_matmul(const int8_t *xq, const float *row_scale, const float *xsum, int64_t m, int64_t k,
                     const uint8_t *wq, const uint16_t *scales, const uint16_t *mins, const float *bias, int64_t n,
                     int64_t tile_begin, int64_t tile_end, float *y) {
-    if (sm_set_isa(-1) == ISA_VNNI)
+    const int use = sm_set_isa(-1);
+    if (use == ISA_AMX && m >= AMX_MIN_ROWS)
+        matmul_amx(xq, row_scale, xsum, m, k, wq, scales, mins, bias, n, tile_begin, tile_end, y);
+    else if (use >= ISA_VNNI)
         matmul_vnni(xq, row_scale, xsum, m, k, wq, scales, mins, bias, n, tile_begin, tile_end, y);
     else
         matmul_avx2(xq, row_scale, xsum, m, k, wq, scales, mins, bias, n, tile_begin, tile_end, y);
@@ -279,7 +455,8 @@ void sm_int4_matmul_mt(const int8_t *xq, const float *row_scale, const float *xs
     if (threads > POOL_MAX_THREADS) threads = POOL_MAX_THREADS;
     int64_t num_chunks = (int64_t)threads * CHUNKS_PER_THREAD;
     if (num_chunks > tiles) num_chunks = tiles;
-    const int64_t chunk_tiles = (tiles + num_chunks - 1) / num_chunks;
+    int64_t chunk_tiles = (tiles + num_chunks - 1) / num_chunks;
+    if (sm_set_isa(-1) == ISA_AMX && m >= AMX_MIN_ROWS && chunk_tiles % 2) chunk_tiles++;   /* whole tile pairs */
     num_chunks = (tiles + chunk_tiles - 1) / chunk_tiles;
     matmul_job_t job = {xq, row_scale, xsum, m, k, wq, scales, mins, bias, n, tile_begin, chunk_tiles, tile_end, y};
     pool_run(threads, num_chunks, matmul_chunk, &job);

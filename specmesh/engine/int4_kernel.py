@@ -1,4 +1,5 @@
-"""Loads the int4 x int8 kernel (`int4_kernel.c`: AVX2, and AVX-512 VNNI where the CPU has it), built once by
+"""Loads the int4 x int8 kernel (`int4_kernel.c`: AVX2, AVX-512 VNNI where the CPU has it, AMX for calls of many rows
+where the CPU and the OS allow it), built once by
 `cpu_build` into `<cache dir>/kernels/int4-<hash>.so`. With more than one torch thread the output tiles
 are split across the kernel's own small thread pool; each output element is computed the same way whatever the
 split (see the C file).
@@ -33,10 +34,10 @@ def library() -> ctypes.CDLL:
     return lib
 
 
-ISAS = ("avx2", "avx512vnni")      # the kernel's code paths, by the C file's ISA_* numbers
+ISAS = ("avx2", "avx512vnni", "amx")      # the kernel's code paths, by the C file's ISA_* numbers
 
 
 def instruction_set(wanted: str | None = None) -> str:
     """The kernel's code path in use (the best the CPU has, unless pinned); `wanted` pins one if the CPU has it.
-    Both paths give bit-identical outputs."""
+    Every path gives bit-identical outputs ("amx" runs calls of few rows on the VNNI path)."""
     return ISAS[library().sm_set_isa(ISAS.index(wanted) if wanted else -1)]
