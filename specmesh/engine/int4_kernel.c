@@ -236,10 +236,14 @@ static VNNI_TARGET void matmul_vnni(const int8_t *xq, const float *row_scale, co
    channels see the VNNI path's float steps (convert, FMA by the group's scale in group order; the min terms' own FMA
    chain; one final FMA by the row scale plus bias), in 512-bit registers, so the outputs are bit-identical. A call's
    last, partial row block reads its rows from a zero-padded copy; a lone output tile at the end of a range runs on
-   the VNNI path. */
+   the VNNI path. Each group has its own scale, so every 16 x 16 block of sums makes a trip through memory (the tile
+   store, then vector loads): on a 2-core Emerald Rapids VM that trip costs about twice the tile multiply, so AMX
+   pays from 16 rows on (the 1.5B target's forward of k rows after 100, 2 threads, VNNI / AMX: k = 8 78 / 113 ms,
+   16 140 / 121, 32 267 / 176, 256 2083 / 1350; `python -m bench.quantized_forward --int4-isas avx512vnni,amx`
+   with AMX_MIN_ROWS set to 1). */
 #define AMX_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8")))
 #define AMX_ROWS 16          /* activation rows per tile */
-#define AMX_MIN_ROWS 24      /* fewer rows in a call: the VNNI path, faster there (see the measurements above) */
+#define AMX_MIN_ROWS 16      /* fewer rows in a call: the VNNI path, faster there (see the measurements above) */
 #define AMX_ROW_BLOCK 128    /* activation rows kept in cache while every output tile pair passes over them */
 #define AMX_B_BYTES 512      /* one group of a tile pair: 8 quads x 16 channels x 4 bytes */
 
@@ -271,6 +275,10 @@ static inline AMX_TARGET void amx_unpack_pair(int64_t tile, int64_t groups, cons
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *lo = wq + (tile * groups + g) * 4 * 32, *hi = wq + ((tile + 1) * groups + g) * 4 * 32;
         uint8_t *out = b + g * AMX_B_BYTES;
+        for (int line = 0; line < 2; line++) {  /* streamed from memory: ask for the next lines early */
+            _mm_prefetch((const char *)(lo + PREFETCH_BYTES + 64 * line), _MM_HINT_T0);
+            _mm_prefetch((const char *)(hi + PREFETCH_BYTES + 64 * line), _MM_HINT_T0);
+        }
         for (int s = 0; s < 4; s++) {
             const __m256i p0 = _mm256_loadu_si256((const __m256i *)(lo + s * 32));
             const __m256i p1 = _mm256_loadu_si256((const __m256i *)(hi + s * 32));
