@@ -43,7 +43,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--targets", default=",".join(TARGETS), help=f"of {', '.join(TARGETS)}")
     p.add_argument("--llama-server", default="", help="binary (else $SPECMESH_LLAMA_SERVER or PATH)")
     p.add_argument("--peer-threads", type=int, default=2, help="llama-server threads (default: both cores)")
-    p.add_argument("--sweep-size", type=int, default=5, help="benchmarks: synchronous, throughput, rates between")
+    p.add_argument("--sweep-size", type=int, default=5,
+                   help="benchmarks: synchronous, throughput, rates between (at least 2, guidellm's minimum)")
     p.add_argument("--max-requests", type=int, default=8, help="requests per benchmark")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--output-tokens", type=int, default=64)
@@ -51,7 +52,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--name", default="guidellm-sweep")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for specmesh's services, e.g. SPECMESH_GATEWAY_TRACE_FILE=g.jsonl")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.sweep_size < 2:        # else guidellm refuses it after the stack has started
+        p.error(f"--sweep-size {args.sweep_size}: guidellm's sweep needs at least 2 (synchronous and throughput)")
+    return args
 
 
 def model_id(base_url: str) -> str:
