@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ks", default="1,2,4,5,8,16")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--int4-isas", default="", help="int4 code paths to time, e.g. avx2,avx512vnni (default: "
+    p.add_argument("--int4-isas", default="", help="int4 code paths to time, e.g. avx2,avx512vnni,amx (default: "
                    "every one this CPU has; outputs are bit-identical across them)")
     p.add_argument("--forwards", default="specmesh", help="comma list of model forwards to time: specmesh (its own "
                    "Qwen2 forward), transformers (theirs, same kernels); rows of the second get a /transformers label")
