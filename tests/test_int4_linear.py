@@ -3,6 +3,7 @@ bit-identical whatever shares the forward or how many threads run it, and its qu
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Iterator
 
@@ -161,3 +162,24 @@ def test_the_thread_pool_gives_the_same_outputs_under_oversubscription_and_concu
     for t in callers:
         t.join()
     assert mismatches == []
+
+
+def test_rows_are_quantized_by_the_round_half_even_rule() -> None:
+    """The kernel's activation quantizer (vectorized): x * float32(127 / absmax) rounded half to even and clamped,
+    group sums exact, whatever the row's scale; exact halves included."""
+    lib = int4_kernel.library()
+    lib.sm_quantize_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_void_p, ctypes.c_void_p]
+    torch.manual_seed(5)
+    halves = torch.cat([torch.arange(-126.5, 127.0, 1.0)[:223], torch.tensor([127.0])]).reshape(1, -1)  # scale 1: ties
+    for x in (torch.randn(9, 1536) * torch.logspace(-4, 3, 9)[:, None], torch.zeros(2, 64),
+              torch.cat([halves, -halves]), torch.randn(3, 8960)):
+        m, k = x.shape
+        xq, row_scale, xsum = torch.empty(m, k, dtype=torch.int8), torch.empty(m), torch.empty(m, k // 32)
+        lib.sm_quantize_rows(x.data_ptr(), m, k, xq.data_ptr(), row_scale.data_ptr(), xsum.data_ptr())
+        absmax = x.abs().amax(-1, keepdim=True)
+        inv = torch.where(absmax > 0, torch.tensor(127.0) / absmax, torch.tensor(0.0))
+        expected = torch.round(x * inv).clamp(-127, 127).to(torch.int8)
+        assert torch.equal(xq, expected)
+        assert torch.equal(row_scale, torch.where(absmax > 0, absmax / 127.0, torch.tensor(1.0)).squeeze(-1))
+        assert torch.equal(xsum, expected.float().reshape(m, k // 32, 32).sum(-1))
