@@ -346,6 +346,18 @@ def fastest_s(fn: Callable[[], object], iters: int) -> float:
     return best
 
 
+def median_s(fn: Callable[[], object], iters: int, warmups: int = 1) -> float:
+    """Seconds of the median of `iters` calls after `warmups` warm-up calls."""
+    for _ in range(warmups):
+        fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def run_metadata(args: argparse.Namespace) -> dict[str, Any]:
     try:
         commit = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from unittest import mock
 
 import torch
 
-from bench.common import result_paths, run_metadata, write_json
+from bench.common import median_s, result_paths, run_metadata, write_json
 from specmesh.spec import sampling
 from specmesh.spec.sampling import SamplingParams, logits_to_probs
 
@@ -29,17 +27,6 @@ SETTINGS = {"top_p 0.9, T 0.7": SamplingParams(temperature=0.7, top_p=0.9),
             "top_k 40, top_p 0.95": SamplingParams(temperature=1.0, top_k=40, top_p=0.95),
             "temperature 1 only": SamplingParams(temperature=1.0)}
 ROWS = {"peaked (logits sd 3)": 3.0, "flat (logits sd 0.3)": 0.3}
-
-
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return 1000 * statistics.median(times)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,9 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, params in SETTINGS.items():
             kept = int((logits_to_probs(logits, params) > 0).sum())
             call = functools.partial(logits_to_probs, logits, params)
-            fast = median_ms(call, args.repeats)
+            fast = 1000 * median_s(call, args.repeats, warmups=3)
             with mock.patch.object(sampling, "_top_ranked", lambda *_: None):     # every row sorted whole
-                full = median_ms(call, args.repeats)
+                full = 1000 * median_s(call, args.repeats, warmups=3)
             rows.append({"row": row_name, "setting": name, "candidates_ms": fast, "full_sort_ms": full, "kept": kept})
             print(f"{row_name:<22}{name:<24}{fast:>15.2f}{full:>14.2f}{kept:>8}")
     json_path, _ = result_paths(args.name)

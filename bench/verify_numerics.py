@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -36,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.common import DEFAULT_WORKLOAD
+from bench.common import DEFAULT_WORKLOAD, median_s
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 warnings.filterwarnings("ignore", category=UserWarning)
@@ -130,13 +129,7 @@ def swap_linears(model: nn.Module, scheme: str) -> Callable[[], None]:
 
 # ------------------------------------------------------------------------------------------------- timing
 def median_ms(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return round(statistics.median(times) * 1000, 2)
+    return round(median_s(fn, reps) * 1000, 2)
 
 
 def invariance(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, ks: tuple[int, ...]) -> dict[int, tuple]:
