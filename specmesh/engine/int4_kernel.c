@@ -280,6 +280,12 @@ static AMX_TARGET void amx_configure(void) {
     _tile_loadconfig(&c);
 }
 
+/* Two tiles' 8 fp16 values (a group's scales or minimums) as the 16 floats of the pair, first tile first. */
+static inline AMX_TARGET __m512 amx_pair_floats(const uint16_t *first, const uint16_t *second) {
+    return _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)second),
+                                            _mm_loadu_si128((const __m128i *)first)));
+}
+
 /* The weights of output tiles (tile, tile + 1), every group, as B tiles: b [groups][8 quads][16 channels x 4]; their
    scales and minimums as floats: scale_f, min_f [groups][16 channels]. */
 static inline AMX_TARGET void amx_unpack_pair(int64_t tile, int64_t groups, const uint8_t *wq, const uint16_t *scales,
@@ -302,10 +308,8 @@ static inline AMX_TARGET void amx_unpack_pair(int64_t tile, int64_t groups, cons
                                _mm256_and_si256(_mm256_srli_epi16(p1, 4), low));
         }
         const int64_t i0 = (tile * groups + g) * LANES, i1 = ((tile + 1) * groups + g) * LANES;
-        _mm512_store_ps(scale_f + g * 16, _mm512_cvtph_ps(_mm256_set_m128i(
-            _mm_loadu_si128((const __m128i *)(scales + i1)), _mm_loadu_si128((const __m128i *)(scales + i0)))));
-        _mm512_store_ps(min_f + g * 16, _mm512_cvtph_ps(_mm256_set_m128i(
-            _mm_loadu_si128((const __m128i *)(mins + i1)), _mm_loadu_si128((const __m128i *)(mins + i0)))));
+        _mm512_store_ps(scale_f + g * 16, amx_pair_floats(scales + i0, scales + i1));
+        _mm512_store_ps(min_f + g * 16, amx_pair_floats(mins + i0, mins + i1));
     }
 }
 
