@@ -118,3 +118,34 @@ def test_chain_rows_in_tiles_are_bit_identical_to_rows_alone(num_new: int) -> No
         alone = run(query, keys, values, rows, 0.088)         # a key list per row: no tiles
         assert torch.equal(tiled, alone)
     torch.testing.assert_close(tiled.double(), reference(query, keys, values, rows, 0.088), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(attention_kernel.supports(8, torch.float32) and attention_kernel.code_path() != "avx512",
+                    reason="the CPU has no AVX-512")
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 2, 128), (14, 2, 64), (5, 1, 24), (3, 3, 8)])
+def test_512_bit_code_gives_the_bits_of_the_256_bit_code(heads: int, kv_heads: int, head_dim: int) -> None:
+    """Head pairs and odd heads out, value chunks of 32, 16 and 8 dims, rows in tiles and alone: the AVX-512 path is
+    the AVX2 path lane for lane, so a verifier on either gives the same tokens."""
+    g = torch.Generator().manual_seed(heads * head_dim)
+    keys, values = torch.randn(700, kv_heads, head_dim, generator=g), torch.randn(700, kv_heads, head_dim, generator=g)
+    chain = torch.randperm(700, generator=g)[:530].tolist()
+    slots = [chain[:n] for n in (1, 7, 9, 300, 521, 522, 523, 524, 525)] + [chain[100:117]]
+    query = torch.randn(len(slots), heads, head_dim, generator=g) * 2
+    lengths = torch.arange(515, 530)                  # a chain's rows share its key list: tiles of 8 rows
+    chain_query = torch.randn(len(lengths), heads, head_dim, generator=g)
+
+    def both() -> tuple[torch.Tensor, torch.Tensor]:
+        tiled = attention_kernel.paged_attention(chain_query, keys, values, torch.tensor(chain, dtype=torch.int32),
+                                                 torch.zeros(len(lengths), dtype=torch.long), lengths, 529,
+                                                 head_dim ** -0.5, threads=2)
+        return run(query, keys, values, slots, head_dim ** -0.5), tiled
+
+    outs = {}
+    try:
+        for path in attention_kernel.CODE_PATHS:
+            outs[attention_kernel.code_path(path)] = both()
+    finally:
+        attention_kernel.code_path("avx512")
+    assert set(outs) == {"avx2", "avx512"}
+    for narrow, wide in zip(outs["avx2"], outs["avx512"], strict=True):
+        assert torch.equal(narrow, wide)

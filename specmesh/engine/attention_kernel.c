@@ -14,6 +14,7 @@ ancestors): the same keys in the same order give the same numbers. Built without
 
 #include <immintrin.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -147,6 +148,127 @@ static inline __attribute__((always_inline)) void values_block(
                         d);
 }
 
+/* The same numbers in 512-bit registers (AVX-512F/DQ: Zen 4 and 5, Intel server cores), for CPUs that run them at
+   full width. Every lane goes through the instructions of the 256-bit code in the same order, so the outputs are
+   bit-identical to it: scores take two query heads of one KV head at once (lanes 0-7 the first head's chain for a key,
+   lanes 8-15 the second's, the key's 8 floats broadcast to both halves; each half then reduced by transpose_sum8),
+   and the value pass takes 32 dims per chunk (each lane one dim's chain over the keys, in key order). */
+#define WIDE_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512dq,avx512vl")))
+
+static WIDE_TARGET void score_keys_pair(const float *q0, const float *q1, const float *key_cache, const int32_t *slots,
+                                        int m, int64_t kv_stride, int64_t d, float scale, float *scores0,
+                                        float *scores1) {
+    const float *rows[SCORE_KEYS];
+    __m512 acc[SCORE_KEYS];
+    for (int k = 0; k < SCORE_KEYS; k++) {
+        rows[k] = key_cache + (int64_t)slots[k < m ? k : m - 1] * kv_stride;
+        acc[k] = _mm512_setzero_ps();
+    }
+    for (int64_t i = 0; i < d; i += 8) {
+        const __m512 qv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(q0 + i)), _mm256_loadu_ps(q1 + i),
+                                             1);
+        for (int k = 0; k < SCORE_KEYS; k++)
+            acc[k] = _mm512_fmadd_ps(qv, _mm512_broadcast_f32x8(_mm256_loadu_ps(rows[k] + i)), acc[k]);
+    }
+    __m256 half[SCORE_KEYS];
+    float *out[2] = {scores0, scores1};
+    for (int part = 0; part < 2; part++) {
+        for (int k = 0; k < SCORE_KEYS; k++)
+            half[k] = part ? _mm512_extractf32x8_ps(acc[k], 1) : _mm512_castps512_ps256(acc[k]);
+        const __m256 s = _mm256_mul_ps(transpose_sum8(half), _mm256_set1_ps(scale));
+        if (m == SCORE_KEYS) {
+            _mm256_storeu_ps(out[part], s);
+        } else {
+            float lanes[SCORE_KEYS];
+            _mm256_storeu_ps(lanes, s);
+            for (int k = 0; k < m; k++) out[part][k] = lanes[k];
+        }
+    }
+}
+
+/* weighted_values with 16-float vectors: acc[h, 0 : 16 * width]. */
+static inline __attribute__((always_inline)) WIDE_TARGET void weighted_values_wide(
+        const int nh, const int width, const float *value_cache, const int32_t *slots, int64_t j0, int64_t j1,
+        int64_t kv_stride, const float *probs, int64_t probs_stride, const int first, float *out, int64_t d) {
+    __m512 acc[HEAD_TILE][2];
+    for (int h = 0; h < nh; h++)
+        for (int v = 0; v < width; v++) acc[h][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + h * d + 16 * v);
+    for (int64_t j = j0; j < j1; j++) {
+        const float *v_row = value_cache + (int64_t)slots[j] * kv_stride;
+        __m512 vals[2];
+        for (int v = 0; v < width; v++) vals[v] = _mm512_loadu_ps(v_row + 16 * v);
+        for (int h = 0; h < nh; h++) {
+            const __m512 p = _mm512_set1_ps(probs[h * probs_stride + j]);
+            for (int v = 0; v < width; v++) acc[h][v] = _mm512_fmadd_ps(p, vals[v], acc[h][v]);
+        }
+    }
+    for (int h = 0; h < nh; h++)
+        for (int v = 0; v < width; v++) _mm512_storeu_ps(out + h * d + 16 * v, acc[h][v]);
+}
+
+static inline __attribute__((always_inline)) WIDE_TARGET void values_block_wide(
+        const int nh, const float *value_cache, const int32_t *slots, int64_t j0, int64_t j1, int64_t kv_stride,
+        const float *probs, int64_t probs_stride, float *out, int64_t d) {
+    int64_t c = 0;
+    for (; c + 32 <= d; c += 32)
+        weighted_values_wide(nh, 2, value_cache + c, slots, j0, j1, kv_stride, probs, probs_stride, j0 == 0, out + c,
+                             d);
+    if (c + 16 <= d) {
+        weighted_values_wide(nh, 1, value_cache + c, slots, j0, j1, kv_stride, probs, probs_stride, j0 == 0, out + c,
+                             d);
+        c += 16;
+    }
+    if (c < d)
+        weighted_values(nh, 1, value_cache + d - 8, slots, j0, j1, kv_stride, probs, probs_stride, j0 == 0, out + d - 8,
+                        d);
+}
+
+/* Scores of `nh` (1 or 2) consecutive query heads of one KV head for m keys; their rows of probs are probs_stride
+   apart. */
+typedef void (*score_fn)(const float *q, int nh, const float *key_cache, const int32_t *slots, int m,
+                         int64_t kv_stride, int64_t d, float scale, float *scores, int64_t probs_stride);
+/* The value pass of one key block for nh (1 .. HEAD_TILE) query heads of one KV head. */
+typedef void (*values_fn)(int nh, const float *value_cache, const int32_t *slots, int64_t j0, int64_t j1,
+                          int64_t kv_stride, const float *probs, int64_t probs_stride, float *out, int64_t d);
+
+static void score_narrow(const float *q, int nh, const float *key_cache, const int32_t *slots, int m,
+                         int64_t kv_stride, int64_t d, float scale, float *scores, int64_t probs_stride) {
+    for (int h = 0; h < nh; h++)
+        score_keys(q + h * d, key_cache, slots, m, kv_stride, d, scale, scores + h * probs_stride);
+}
+
+static WIDE_TARGET void score_wide(const float *q, int nh, const float *key_cache, const int32_t *slots, int m,
+                                   int64_t kv_stride, int64_t d, float scale, float *scores, int64_t probs_stride) {
+    if (nh == 2)
+        score_keys_pair(q, q + d, key_cache, slots, m, kv_stride, d, scale, scores, scores + probs_stride);
+    else
+        score_keys(q, key_cache, slots, m, kv_stride, d, scale, scores);
+}
+
+#define VALUES_SWITCH(BLOCK) switch (nh) {                                                                   \
+        case 1: BLOCK(1, value_cache, slots, j0, j1, kv_stride, probs, probs_stride, out, d); break;          \
+        case 2: BLOCK(2, value_cache, slots, j0, j1, kv_stride, probs, probs_stride, out, d); break;          \
+        case 3: BLOCK(3, value_cache, slots, j0, j1, kv_stride, probs, probs_stride, out, d); break;          \
+        case 4: BLOCK(4, value_cache, slots, j0, j1, kv_stride, probs, probs_stride, out, d); break;          \
+        case 5: BLOCK(5, value_cache, slots, j0, j1, kv_stride, probs, probs_stride, out, d); break;          \
+        default: BLOCK(6, value_cache, slots, j0, j1, kv_stride, probs, probs_stride, out, d); break;         \
+    }
+
+static void values_narrow(int nh, const float *value_cache, const int32_t *slots, int64_t j0, int64_t j1,
+                          int64_t kv_stride, const float *probs, int64_t probs_stride, float *out, int64_t d) {
+    VALUES_SWITCH(values_block)
+}
+
+static WIDE_TARGET void values_wide(int nh, const float *value_cache, const int32_t *slots, int64_t j0, int64_t j1,
+                                    int64_t kv_stride, const float *probs, int64_t probs_stride, float *out,
+                                    int64_t d) {
+    VALUES_SWITCH(values_block_wide)
+}
+#undef VALUES_SWITCH
+
+typedef struct { score_fn score; values_fn values; } row_kernels_t;
+static const row_kernels_t NARROW = {score_narrow, values_narrow}, WIDE = {score_wide, values_wide};
+
 /* Rows that share one key list (a chain's new tokens: row r sees its first row_len[r] keys of `slots`) over their
    keys, for the query heads of KV heads [g0, g1): q [R, H, D] -> out [R, H, D] (those heads' rows); probs
    [R, H, probs_stride] and inv [R, H] are scratch. Key block by key block, every row of the tile takes its scores
@@ -158,9 +280,10 @@ static inline __attribute__((always_inline)) void values_block(
    over threads by KV head, the halves are read on different cores at once). Query heads of one KV head go through
    the value pass in tiles of up to HEAD_TILE. Every (row, head)'s numbers go through the same operations in the same
    order whatever else the tile or the call holds: its keys in blocks from key 0, its last block cut at its own length. */
-static void attend_rows(const float *q, int64_t num_rows, const int64_t *row_len, int64_t heads, int64_t kv_heads,
-                        int64_t g0, int64_t g1, const float *key_cache, const float *value_cache, const int32_t *slots,
-                        int64_t d, float scale, float *probs, int64_t probs_stride, float *inv, float *out) {
+static void attend_rows(const row_kernels_t *kern, const float *q, int64_t num_rows, const int64_t *row_len,
+                        int64_t heads, int64_t kv_heads, int64_t g0, int64_t g1, const float *key_cache,
+                        const float *value_cache, const int32_t *slots, int64_t d, float scale, float *probs,
+                        int64_t probs_stride, float *inv, float *out) {
     const int64_t group = heads / kv_heads, kv_stride = kv_heads * d, row_floats = heads * d;
     const int64_t row_probs = heads * probs_stride;
     const int64_t h_begin = g0 * group, h_end = g1 * group, kv_offset = g0 * d, kv_width = (g1 - g0) * d;
@@ -172,9 +295,12 @@ static void attend_rows(const float *q, int64_t num_rows, const int64_t *row_len
         for (int64_t r = 0; r < num_rows; r++) {
             if (j >= row_len[r]) continue;
             const int m = row_len[r] - j < SCORE_KEYS ? (int)(row_len[r] - j) : SCORE_KEYS;
-            for (int64_t h = h_begin; h < h_end; h++)
-                score_keys(q + r * row_floats + h * d, key_cache + (h / group) * d, slots + j, m, kv_stride, d, scale,
-                           probs + r * row_probs + h * probs_stride + j);
+            for (int64_t h = h_begin; h < h_end;) {        /* two heads of one KV head at a time where they are */
+                const int nh = h + 1 < h_end && (h + 1) / group == h / group ? 2 : 1;
+                kern->score(q + r * row_floats + h * d, nh, key_cache + (h / group) * d, slots + j, m, kv_stride, d,
+                            scale, probs + r * row_probs + h * probs_stride + j, probs_stride);
+                h += nh;
+            }
         }
     }
     for (int64_t r = 0; r < num_rows; r++)
@@ -193,17 +319,9 @@ static void attend_rows(const float *q, int64_t num_rows, const int64_t *row_len
             for (int64_t g = g0; g < g1; g++)
                 for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += HEAD_TILE) {
                     const int64_t left = (g + 1) * group - h0;
-#define HEADS(NH) values_block(NH, value_cache + g * d, slots, j0, j1, kv_stride, \
-                               probs + r * row_probs + h0 * probs_stride, probs_stride, out + r * row_floats + h0 * d, d)
-                    switch (left < HEAD_TILE ? left : HEAD_TILE) {
-                        case 1: HEADS(1); break;
-                        case 2: HEADS(2); break;
-                        case 3: HEADS(3); break;
-                        case 4: HEADS(4); break;
-                        case 5: HEADS(5); break;
-                        default: HEADS(6); break;
-                    }
-#undef HEADS
+                    kern->values(left < HEAD_TILE ? (int)left : HEAD_TILE, value_cache + g * d, slots, j0, j1,
+                                 kv_stride, probs + r * row_probs + h0 * probs_stride, probs_stride,
+                                 out + r * row_floats + h0 * d, d);
                 }
         }
     }
@@ -222,6 +340,7 @@ static void attend_rows(const float *q, int64_t num_rows, const int64_t *row_len
 typedef struct {
     const float *query, *key_cache, *value_cache; const int32_t *key_slots; const int64_t *row_start, *row_len;
     const int64_t *tile_start; int64_t heads, kv_heads, d, max_len, split; float scale; float *scratch; float *out;
+    const row_kernels_t *kern;
 } attention_job_t;
 
 static void attention_chunk(void *ctx, int64_t chunk, int thread) {
@@ -229,7 +348,7 @@ static void attention_chunk(void *ctx, int64_t chunk, int thread) {
     const int64_t tile = chunk / j->split, part = chunk % j->split, parts = j->kv_heads / j->split;
     const int64_t t = j->tile_start[tile], num_rows = j->tile_start[tile + 1] - t;
     float *probs = j->scratch + (int64_t)thread * ROW_TILE * j->heads * (j->max_len + 1);
-    attend_rows(j->query + t * j->heads * j->d, num_rows, j->row_len + t, j->heads, j->kv_heads, part * parts,
+    attend_rows(j->kern, j->query + t * j->heads * j->d, num_rows, j->row_len + t, j->heads, j->kv_heads, part * parts,
                 (part + 1) * parts, j->key_cache, j->value_cache, j->key_slots + j->row_start[t], j->d, j->scale, probs,
                 j->max_len, probs + ROW_TILE * j->heads * j->max_len, j->out + t * j->heads * j->d);
 }
@@ -241,6 +360,20 @@ static void attention_chunk(void *ctx, int64_t chunk, int thread) {
    too (a decode's one row on every core). The numbers are the same whatever the tiles and the split. */
 #define TILES_PER_THREAD 4
 int sm_row_tile(void) { return ROW_TILE; }
+
+/* 1: the 512-bit code (the default where the CPU has AVX-512F/DQ), 0: the 256-bit code; both give the same bits.
+   wanted 0 or 1 pins one (1 only where the CPU has it); negative: just report. */
+static atomic_int wide = -1;
+
+int sm_attention_wide(int wanted) {
+    if (atomic_load(&wide) < 0) {
+        __builtin_cpu_init();
+        atomic_store(&wide, __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq"));
+    }
+    if (wanted == 0 || (wanted == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")))
+        atomic_store(&wide, wanted);
+    return atomic_load(&wide);
+}
 
 void sm_paged_attention(const float *query, const float *key_cache, const float *value_cache,
                         const int32_t *key_slots, const int64_t *row_start, const int64_t *row_len, int64_t rows,
@@ -257,7 +390,7 @@ void sm_paged_attention(const float *query, const float *key_cache, const float 
     tile_start[num_tiles] = rows;
     const int64_t split = threads > 1 && num_tiles < (int64_t)threads * TILES_PER_THREAD ? kv_heads : 1;
     attention_job_t job = {query, key_cache, value_cache, key_slots, row_start, row_len, tile_start, heads, kv_heads,
-                           d, max_len, split, scale, scratch, out};
+                           d, max_len, split, scale, scratch, out, sm_attention_wide(-1) ? &WIDE : &NARROW};
     pool_run(threads, num_tiles * split, attention_chunk, &job);
     free(tile_start);
 }

@@ -4,7 +4,8 @@
 the head size is a multiple of 8; otherwise, or where it cannot be built, attention falls back to per-row SDPA. Rows
 that share a key list (a chain's new tokens) run in tiles that read each key block once for all of them; tiles (and
 a short batch's KV heads) are split over the kernel's own thread pool (`cpu_pool.h`), as many threads as the
-step's budget (kernel_threads.py); every output is computed the same way whatever the split.
+step's budget (kernel_threads.py); every output is computed the same way whatever the split. Where the CPU has
+AVX-512 the kernel runs in 512-bit registers, lane for lane the instructions of its AVX2 code (`code_path`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,20 @@ def library() -> ctypes.CDLL | None:
     lib.sm_paged_attention.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, ctypes.c_int]
     lib.sm_paged_attention.restype = None
     lib.sm_row_tile.restype = ctypes.c_int
+    lib.sm_attention_wide.argtypes = [ctypes.c_int]
+    lib.sm_attention_wide.restype = ctypes.c_int
     return lib
+
+
+CODE_PATHS = ("avx2", "avx512")      # 256-bit and 512-bit registers: the same bits (attention_kernel.c)
+
+
+def code_path(wanted: str | None = None) -> str:
+    """The kernel's code path in use ("avx512" where the CPU has AVX-512F/DQ, unless pinned); `wanted` pins one if
+    the CPU has it. Both give bit-identical outputs."""
+    lib = library()
+    assert lib is not None, "check supports() first"
+    return CODE_PATHS[lib.sm_attention_wide(CODE_PATHS.index(wanted) if wanted else -1)]
 
 
 @functools.cache
