@@ -91,6 +91,27 @@ def test_every_code_path_gives_bit_identical_outputs(m: int) -> None:
         assert torch.equal(output, outputs[0]), name
 
 
+@pytest.mark.parametrize("out_features", [8, 24, 8 * 37])
+def test_an_odd_number_of_output_tiles_gives_the_bits_of_every_path(out_features: int) -> None:
+    """The VNNI path takes output tiles in pairs: a lone last tile (of the layer or of a thread's range) runs masked,
+    on one and two threads, with and without bias, and gives AVX2's bits."""
+    threads = torch.get_num_threads()
+    try:
+        for num_threads, bias in [(1, True), (2, True), (2, False)]:
+            torch.set_num_threads(num_threads)
+            layer = Int4GroupLinear(linear(out_features, 96, seed=out_features, bias=bias))
+            x = torch.randn(11, 96)
+            outputs = []
+            for name in ISAS:
+                int4_kernel.instruction_set(name)
+                outputs.append(torch.cat([layer(x), layer(x[:1]), layer(x[3:5])]))
+            for name, output in zip(ISAS[1:], outputs[1:], strict=True):
+                assert torch.equal(output, outputs[0]), (name, num_threads, bias)
+    finally:
+        int4_kernel.instruction_set(BEST_ISA)
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.skipif("amx" not in ISAS, reason="this CPU has no AMX")
 def test_amx_rows_are_bit_identical_to_one_row_decoding_in_every_layer_shape() -> None:
     """Prefill-sized calls (AMX) give each row exactly what a one-row decode (VNNI) gives it, on two threads whose

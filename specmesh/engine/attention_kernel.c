@@ -113,28 +113,33 @@ static float exp_scores(float *probs, int64_t n, float max_score) {
 
 #define KEY_BLOCK 16        /* keys whose value rows stay in L1 while every 16-dim chunk passes over them */
 
-/* acc[h, 0 : 8 * width] += sum_{j0 <= j < j1} probs[h, j] * V[slot_j, 0 : 8 * width] for the nh heads (width 1 or 2),
-   starting from zero when `first`: each value chunk is loaded once for all heads; one FMA chain per (head, vector),
-   keys in order. acc lives in `out` (row h at out + h * d) between key blocks: storing and reloading a float changes
-   nothing, so a chain's numbers are those of one pass over all keys. */
-static inline __attribute__((always_inline)) void weighted_values(
-        const int nh, const int width, const float *value_cache, const int32_t *slots, int64_t j0, int64_t j1,
-        int64_t kv_stride, const float *probs, int64_t probs_stride, const int first, float *out, int64_t d) {
-    __m256 acc[HEAD_TILE][2];
-    for (int h = 0; h < nh; h++)
-        for (int v = 0; v < width; v++) acc[h][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + h * d + 8 * v);
-    for (int64_t j = j0; j < j1; j++) {
-        const float *v_row = value_cache + (int64_t)slots[j] * kv_stride;
-        __m256 vals[2];
-        for (int v = 0; v < width; v++) vals[v] = _mm256_loadu_ps(v_row + 8 * v);
-        for (int h = 0; h < nh; h++) {
-            const __m256 p = _mm256_set1_ps(probs[h * probs_stride + j]);
-            for (int v = 0; v < width; v++) acc[h][v] = _mm256_fmadd_ps(p, vals[v], acc[h][v]);
-        }
-    }
-    for (int h = 0; h < nh; h++)
-        for (int v = 0; v < width; v++) _mm256_storeu_ps(out + h * d + 8 * v, acc[h][v]);
+/* acc[h, 0 : L * width] += sum_{j0 <= j < j1} probs[h, j] * V[slot_j, 0 : L * width] for the nh heads (width 1 or 2,
+   L the floats of a register), starting from zero when `first`: each value chunk is loaded once for all heads; one
+   FMA chain per (head, lane), keys in order. acc lives in `out` (row h at out + h * d) between key blocks: storing and
+   reloading a float changes nothing, so a chain's numbers are those of one pass over all keys. Defined for 256-bit
+   (L = 8) and 512-bit (L = 16) registers: a lane's chain is the same whatever the register width. */
+#define DEFINE_WEIGHTED_VALUES(NAME, TARGET, VEC, L, SETZERO, LOADU, STOREU, SET1, FMADD)                        \
+static inline __attribute__((always_inline)) TARGET void NAME(                                                  \
+        const int nh, const int width, const float *value_cache, const int32_t *slots, int64_t j0, int64_t j1,  \
+        int64_t kv_stride, const float *probs, int64_t probs_stride, const int first, float *out, int64_t d) {  \
+    VEC acc[HEAD_TILE][2];                                                                                      \
+    for (int h = 0; h < nh; h++)                                                                                \
+        for (int v = 0; v < width; v++) acc[h][v] = first ? SETZERO() : LOADU(out + h * d + L * v);             \
+    for (int64_t j = j0; j < j1; j++) {                                                                         \
+        const float *v_row = value_cache + (int64_t)slots[j] * kv_stride;                                       \
+        VEC vals[2];                                                                                            \
+        for (int v = 0; v < width; v++) vals[v] = LOADU(v_row + L * v);                                        \
+        for (int h = 0; h < nh; h++) {                                                                          \
+            const VEC p = SET1(probs[h * probs_stride + j]);                                                    \
+            for (int v = 0; v < width; v++) acc[h][v] = FMADD(p, vals[v], acc[h][v]);                          \
+        }                                                                                                       \
+    }                                                                                                           \
+    for (int h = 0; h < nh; h++)                                                                                \
+        for (int v = 0; v < width; v++) STOREU(out + h * d + L * v, acc[h][v]);                                \
 }
+
+DEFINE_WEIGHTED_VALUES(weighted_values, , __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_storeu_ps,
+                       _mm256_set1_ps, _mm256_fmadd_ps)
 
 /* The value pass of one key block for the nh (<= HEAD_TILE) query heads of one KV head, in 16-dim chunks (2 vectors x
    nh heads of accumulators: 12 of AVX2's 16 registers). */
@@ -186,25 +191,8 @@ static WIDE_TARGET void score_keys_pair(const float *q0, const float *q1, const 
     }
 }
 
-/* weighted_values with 16-float vectors: acc[h, 0 : 16 * width]. */
-static inline __attribute__((always_inline)) WIDE_TARGET void weighted_values_wide(
-        const int nh, const int width, const float *value_cache, const int32_t *slots, int64_t j0, int64_t j1,
-        int64_t kv_stride, const float *probs, int64_t probs_stride, const int first, float *out, int64_t d) {
-    __m512 acc[HEAD_TILE][2];
-    for (int h = 0; h < nh; h++)
-        for (int v = 0; v < width; v++) acc[h][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + h * d + 16 * v);
-    for (int64_t j = j0; j < j1; j++) {
-        const float *v_row = value_cache + (int64_t)slots[j] * kv_stride;
-        __m512 vals[2];
-        for (int v = 0; v < width; v++) vals[v] = _mm512_loadu_ps(v_row + 16 * v);
-        for (int h = 0; h < nh; h++) {
-            const __m512 p = _mm512_set1_ps(probs[h * probs_stride + j]);
-            for (int v = 0; v < width; v++) acc[h][v] = _mm512_fmadd_ps(p, vals[v], acc[h][v]);
-        }
-    }
-    for (int h = 0; h < nh; h++)
-        for (int v = 0; v < width; v++) _mm512_storeu_ps(out + h * d + 16 * v, acc[h][v]);
-}
+DEFINE_WEIGHTED_VALUES(weighted_values_wide, WIDE_TARGET, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps,
+                       _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps)
 
 static inline __attribute__((always_inline)) WIDE_TARGET void values_block_wide(
         const int nh, const float *value_cache, const int32_t *slots, int64_t j0, int64_t j1, int64_t kv_stride,
