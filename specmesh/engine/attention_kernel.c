@@ -64,18 +64,14 @@ static inline __m256 transpose_sum8(const __m256 *v) {
 /* scores[k] = scale * <q, K[slots[k]]> for the m <= SCORE_KEYS keys slots[0 .. m): one FMA chain per key over its d / 8
    vectors in order, then transpose_sum8 (a short block repeats its last key in the unused lanes). A key's score
    depends on q and its own key row only, not on the keys beside it. */
-static inline void score_keys(const float *q, const float *key_cache, const int32_t *slots, int m, int64_t kv_stride,
-                              int64_t d, float scale, float *scores) {
-    const float *rows[SCORE_KEYS];
-    __m256 acc[SCORE_KEYS];
-    for (int k = 0; k < SCORE_KEYS; k++) {
-        rows[k] = key_cache + (int64_t)slots[k < m ? k : m - 1] * kv_stride;
-        acc[k] = _mm256_setzero_ps();
-    }
-    for (int64_t i = 0; i < d; i += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + i);
-        for (int k = 0; k < SCORE_KEYS; k++) acc[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[k] + i), acc[k]);
-    }
+/* The key rows of a block of m <= SCORE_KEYS keys; a short block repeats its last key in the unused places. */
+static inline void key_rows(const float *key_cache, const int32_t *slots, int m, int64_t kv_stride,
+                            const float **rows) {
+    for (int k = 0; k < SCORE_KEYS; k++) rows[k] = key_cache + (int64_t)slots[k < m ? k : m - 1] * kv_stride;
+}
+
+/* scores[0 .. m) <- scale * (the lane sums of acc[0 .. SCORE_KEYS)) (transpose_sum8, then one multiply). */
+static inline void finish_scores(const __m256 *acc, int m, float scale, float *scores) {
     const __m256 s = _mm256_mul_ps(transpose_sum8(acc), _mm256_set1_ps(scale));
     if (m == SCORE_KEYS) {
         _mm256_storeu_ps(scores, s);
@@ -84,6 +80,19 @@ static inline void score_keys(const float *q, const float *key_cache, const int3
         _mm256_storeu_ps(lanes, s);
         for (int k = 0; k < m; k++) scores[k] = lanes[k];
     }
+}
+
+static inline void score_keys(const float *q, const float *key_cache, const int32_t *slots, int m, int64_t kv_stride,
+                              int64_t d, float scale, float *scores) {
+    const float *rows[SCORE_KEYS];
+    __m256 acc[SCORE_KEYS];
+    key_rows(key_cache, slots, m, kv_stride, rows);
+    for (int k = 0; k < SCORE_KEYS; k++) acc[k] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        for (int k = 0; k < SCORE_KEYS; k++) acc[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[k] + i), acc[k]);
+    }
+    finish_scores(acc, m, scale, scores);
 }
 
 /* probs [n] <- softmax numerators exp(s - max) of the scores in probs; returns their sum (8 lanes, in order). */
@@ -165,30 +174,21 @@ static WIDE_TARGET void score_keys_pair(const float *q0, const float *q1, const 
                                         float *scores1) {
     const float *rows[SCORE_KEYS];
     __m512 acc[SCORE_KEYS];
-    for (int k = 0; k < SCORE_KEYS; k++) {
-        rows[k] = key_cache + (int64_t)slots[k < m ? k : m - 1] * kv_stride;
-        acc[k] = _mm512_setzero_ps();
-    }
+    key_rows(key_cache, slots, m, kv_stride, rows);
+    for (int k = 0; k < SCORE_KEYS; k++) acc[k] = _mm512_setzero_ps();
     for (int64_t i = 0; i < d; i += 8) {
         const __m512 qv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(q0 + i)), _mm256_loadu_ps(q1 + i),
                                              1);
         for (int k = 0; k < SCORE_KEYS; k++)
             acc[k] = _mm512_fmadd_ps(qv, _mm512_broadcast_f32x8(_mm256_loadu_ps(rows[k] + i)), acc[k]);
     }
-    __m256 half[SCORE_KEYS];
-    float *out[2] = {scores0, scores1};
-    for (int part = 0; part < 2; part++) {
-        for (int k = 0; k < SCORE_KEYS; k++)
-            half[k] = part ? _mm512_extractf32x8_ps(acc[k], 1) : _mm512_castps512_ps256(acc[k]);
-        const __m256 s = _mm256_mul_ps(transpose_sum8(half), _mm256_set1_ps(scale));
-        if (m == SCORE_KEYS) {
-            _mm256_storeu_ps(out[part], s);
-        } else {
-            float lanes[SCORE_KEYS];
-            _mm256_storeu_ps(lanes, s);
-            for (int k = 0; k < m; k++) out[part][k] = lanes[k];
-        }
+    __m256 low[SCORE_KEYS], high[SCORE_KEYS];
+    for (int k = 0; k < SCORE_KEYS; k++) {
+        low[k] = _mm512_castps512_ps256(acc[k]);
+        high[k] = _mm512_extractf32x8_ps(acc[k], 1);
     }
+    finish_scores(low, m, scale, scores0);
+    finish_scores(high, m, scale, scores1);
 }
 
 DEFINE_WEIGHTED_VALUES(weighted_values_wide, WIDE_TARGET, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps,
@@ -353,13 +353,14 @@ int sm_row_tile(void) { return ROW_TILE; }
    wanted 0 or 1 pins one (1 only where the CPU has it); negative: just report. */
 static atomic_int wide = -1;
 
+static int wide_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+}
+
 int sm_attention_wide(int wanted) {
-    if (atomic_load(&wide) < 0) {
-        __builtin_cpu_init();
-        atomic_store(&wide, __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq"));
-    }
-    if (wanted == 0 || (wanted == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")))
-        atomic_store(&wide, wanted);
+    if (atomic_load(&wide) < 0) atomic_store(&wide, wide_supported());
+    if (wanted == 0 || (wanted == 1 && wide_supported())) atomic_store(&wide, wanted);
     return atomic_load(&wide);
 }
 

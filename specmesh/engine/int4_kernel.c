@@ -147,6 +147,12 @@ static inline __attribute__((always_inline)) void tile_rows(
 #define VNNI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
 #define VNNI_ROW_TILE 8     /* 3 registers per row in the main loop (of 32) */
 
+static inline VNNI_TARGET __m512i bcast4_wide(const int8_t *p) {
+    int32_t v;
+    __builtin_memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
 static inline __attribute__((always_inline)) VNNI_TARGET void tile_pair_rows_vnni(
         int64_t tile, const int lone, int64_t r0, const int rows, int64_t k, int64_t n, const int8_t *xq,
         const float *row_scale, const float *xsum, const uint8_t *wq, const uint16_t *scales, const uint16_t *mins,
@@ -175,15 +181,12 @@ static inline __attribute__((always_inline)) VNNI_TARGET void tile_pair_rows_vnn
             const __m512i wb = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
             for (int t = 0; t < rows; t++) {
                 const int8_t *x = xq + (r0 + t) * k + g * GROUP + 8 * s;
-                int32_t x0, x4;
-                __builtin_memcpy(&x0, x, 4);
-                __builtin_memcpy(&x4, x + 4, 4);
-                if (rows <= 2 && (s & 1)) {
-                    isum_c[t] = _mm512_dpbusd_epi32(isum_c[t], wa, _mm512_set1_epi32(x0));
-                    isum_d[t] = _mm512_dpbusd_epi32(isum_d[t], wb, _mm512_set1_epi32(x4));
+                if (rows <= 2 && (s & 1)) {          /* few rows: 4 chains per row, else they wait on latency */
+                    isum_c[t] = _mm512_dpbusd_epi32(isum_c[t], wa, bcast4_wide(x));
+                    isum_d[t] = _mm512_dpbusd_epi32(isum_d[t], wb, bcast4_wide(x + 4));
                 } else {
-                    isum_a[t] = _mm512_dpbusd_epi32(isum_a[t], wa, _mm512_set1_epi32(x0));
-                    isum_b[t] = _mm512_dpbusd_epi32(isum_b[t], wb, _mm512_set1_epi32(x4));
+                    isum_a[t] = _mm512_dpbusd_epi32(isum_a[t], wa, bcast4_wide(x));
+                    isum_b[t] = _mm512_dpbusd_epi32(isum_b[t], wb, bcast4_wide(x + 4));
                 }
             }
         }
