@@ -372,7 +372,7 @@ def result_paths(name: str) -> tuple[Path, Path]:
     """(json, png) paths under bench/results/ for this run."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     stem = RESULTS_DIR / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return stem.with_suffix(".json"), stem.with_suffix(".png")
+    return stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.png"    # names may hold dots (qwen2.5)
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -395,3 +396,15 @@ def test_guess_gain_decodes_the_same_tokens_with_and_without_guesses(capsys) -> 
     assert guess_gain.main(["--preset", "tiny-target", "--dtype", "int8", "--max-new-tokens", "12", "--limit", "1",
                             "--categories", "code,code-edit", "--split", "tune"]) == 0
     assert "identical" in capsys.readouterr().out
+
+
+def test_huge_pages_bench_times_both_arms_on_the_same_bits(capsys, tmp_path: Path, monkeypatch) -> None:
+    from bench import common, huge_pages
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    assert huge_pages.main(["--preset", "tiny-target", "--ks", "1,4", "--context", "20", "--rounds", "2",
+                            "--reps", "1", "--name", "hp.smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "k=1 " in out and "k=4 " in out and "plain / huge" in out
+    written = json.loads(next(tmp_path.glob("hp.smoke-*.json")).read_text())      # a dotted name keeps its suffix
+    assert set(written["times_ms"]) == {"huge", "plain"} and len(written["times_ms"]["huge"]["4"]) == 2

@@ -12,7 +12,8 @@ import torch
 from specmesh.config import EngineConfig
 from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.dtype_choice import resolve_dtype
-from specmesh.engine.int4_linear import quantize_linears_int4
+from specmesh.engine.huge_pages import thp_mode
+from specmesh.engine.int4_linear import int4_weights_to_huge_pages, quantize_linears_int4
 from specmesh.engine.int8_linear import quantize_linears
 from specmesh.engine.model_runner import ModelRunner, kv_cache_geometry
 from specmesh.engine.paged_attention import PagedKVCache
@@ -78,6 +79,10 @@ def build_engine_parts(config: EngineConfig, head_vocab: int = 0) -> EngineParts
     if batch_invariant:
         quantize, what = QUANTIZERS[config.dtype]
         log.info("%s: %d linear layers quantized to %s", config.model, quantize(loaded.model), what)
+    if config.dtype == "int4":
+        moved = int4_weights_to_huge_pages(loaded.model)
+        log.info("%s: %d MiB of int4 weights in memory advised for huge pages (this host's THP mode: %s)",
+                 config.model, moved // 2**20, thp_mode() or "none")
     runner = ModelRunner(loaded.model, num_blocks, config.block_size, batch_invariant=batch_invariant,
                          own_forward=own_forward)
     return EngineParts(loaded, runner, BlockManager(num_blocks, config.block_size), max_model_len)

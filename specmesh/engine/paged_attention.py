@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from specmesh.engine import attention_kernel
+from specmesh.engine.huge_pages import huge_page_zeros
 
 ATTN_IMPLEMENTATION = "specmesh_paged"
 ROW_KEY_BUCKET = 64
@@ -47,8 +48,9 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.key_caches = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.value_caches = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        # one mapping advised for huge pages (huge_pages.py): a long context's decode reads its KV every layer
+        caches = huge_page_zeros([shape] * (2 * num_layers), dtype)
+        self.key_caches, self.value_caches = caches[0::2], caches[1::2]
         self.num_blocks = num_blocks
         self.block_size = block_size
 

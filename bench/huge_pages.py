@@ -1,0 +1,121 @@
+"""Int4 weights on huge pages against the same weights on 4 KiB pages: the verifier's forward, arms alternating in
+one process (the same model object, the same KV slots), so the machine's drift falls on both.
+
+    .venv/bin/python -m bench.huge_pages --preset qwen2.5-coder-1.5b            # ~2 min, ~4 GB RAM
+    .venv/bin/python -m bench.huge_pages --preset tiny-target --rounds 2 --reps 3     # smoke run
+
+Arms: `huge`: the int4 weights and the KV cache as the engine builds them (specmesh/engine/huge_pages.py: mappings
+advised MADV_HUGEPAGE); `plain`: the same bytes cloned into ordinary allocations. A long --context shows the KV
+cache's part (a decode step reads the whole context's KV in every layer). Each round times both arms (order
+alternating) at every k: the median ms of --reps forwards of k new tokens after a --context-token context. Reports
+per k the median over rounds of each arm and of the per-round ratio plain / huge, the host's THP mode and how much
+of the process's memory the kernel gave as huge pages. The numbers are identical in both arms (same bytes); the run
+checks the logits. Writes bench/results/huge-pages-<preset>-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from bench.common import log, result_paths, run_metadata, split_csv, write_json
+from bench.quantized_forward import BLOCK, forward_ms
+from specmesh.config import EngineConfig
+from specmesh.engine.build import build_engine_parts
+from specmesh.engine.huge_pages import huge_page_copies, thp_mode
+from specmesh.engine.int4_linear import WEIGHT_NAMES, Int4GroupLinear, int4_weights_to_huge_pages
+from specmesh.engine.model_runner import ForwardItem, ModelRunner
+from specmesh.engine.paged_attention import PagedKVCache
+
+SMAPS = Path("/proc/self/smaps_rollup")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="qwen2.5-coder-1.5b")
+    p.add_argument("--ks", default="1,8,32", help="new tokens per forward")
+    p.add_argument("--context", type=int, default=100, help="tokens already in the KV cache")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5, help="rounds of both arms, alternating")
+    p.add_argument("--reps", type=int, default=15, help="forwards per arm, k and round (their median counts)")
+    p.add_argument("--name", default="")
+    return p.parse_args(argv)
+
+
+def to_huge_pages(model: torch.nn.Module, cache: PagedKVCache) -> None:
+    """The int4 weights and the KV cache copied into mappings advised for huge pages (as the engine builds them)."""
+    int4_weights_to_huge_pages(model)
+    caches = huge_page_copies([t for pair in zip(cache.key_caches, cache.value_caches, strict=True) for t in pair])
+    cache.key_caches, cache.value_caches = caches[0::2], caches[1::2]
+
+
+def to_plain_pages(model: torch.nn.Module, cache: PagedKVCache) -> None:
+    """The int4 weights and the KV cache cloned into ordinary allocations (4 KiB pages where THP is "madvise")."""
+    cache.key_caches = [t.clone() for t in cache.key_caches]
+    cache.value_caches = [t.clone() for t in cache.value_caches]
+    for module in model.modules():
+        if isinstance(module, Int4GroupLinear):
+            for name in WEIGHT_NAMES:
+                if getattr(module, name) is not None:
+                    setattr(module, name, getattr(module, name).clone())
+
+
+def anon_huge_mib() -> float:
+    """MiB of this process's anonymous memory on huge pages (0 where the kernel does not say)."""
+    try:
+        for line in SMAPS.read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def logits_of(runner: ModelRunner, context: list[int]) -> torch.Tensor:
+    table = list(range(-(-(len(context) + 1) // BLOCK)))
+    return runner.forward([ForwardItem(context, 0, table, 1)])[0]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    ks = [int(k) for k in split_csv(args.ks)]
+    parts = build_engine_parts(EngineConfig(model=args.preset, dtype="int4", num_threads=args.threads,
+                                            num_kv_blocks=-(-(args.context + max(ks)) // BLOCK) + 1,
+                                            block_size=BLOCK))
+    model, runner = parts.loaded.model, parts.runner
+    context = [3 + i % 1000 for i in range(args.context)]
+    reference = logits_of(runner, context)
+    huge_mib = {"huge": anon_huge_mib()}
+    times: dict[str, dict[int, list[float]]] = {arm: {k: [] for k in ks} for arm in ("huge", "plain")}
+    for round_index in range(args.rounds):
+        order = ("plain", "huge") if round_index % 2 else ("huge", "plain")
+        for arm in order:
+            (to_huge_pages if arm == "huge" else to_plain_pages)(model, runner.cache)
+            huge_mib[arm] = anon_huge_mib()
+            for k in ks:
+                times[arm][k].append(forward_ms(runner, context, k, args.reps))
+            if not torch.equal(logits_of(runner, context), reference):
+                raise SystemExit(f"{arm}: the logits changed with the pages they live on")
+        log(f"round {round_index + 1}: " + "  ".join(
+            f"k={k} huge {times['huge'][k][-1]:.1f} / plain {times['plain'][k][-1]:.1f} ms" for k in ks))
+    rows = {k: {"huge_ms": statistics.median(times["huge"][k]), "plain_ms": statistics.median(times["plain"][k]),
+                "plain_over_huge": statistics.median(p / h for p, h in zip(times["plain"][k], times["huge"][k],
+                                                                            strict=True))} for k in ks}
+    print(f"{args.preset} int4, {args.threads} threads, THP mode {thp_mode() or 'none'}; AnonHugePages "
+          f"{huge_mib['huge']:.0f} MiB with the huge arm's weights, {huge_mib['plain']:.0f} MiB with the plain's")
+    for k, row in rows.items():
+        print(f"k={k:<4} huge {row['huge_ms']:7.1f} ms   plain {row['plain_ms']:7.1f} ms   plain / huge "
+              f"{row['plain_over_huge']:.3f} (median of {args.rounds} rounds)")
+    path, _ = result_paths(args.name or f"huge-pages-{args.preset}")
+    write_json(path, {"meta": run_metadata(args), "thp_mode": thp_mode(), "anon_huge_mib": huge_mib,
+                      "rows": {str(k): row for k, row in rows.items()},
+                      "times_ms": {arm: {str(k): v for k, v in by_k.items()} for arm, by_k in times.items()}})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
