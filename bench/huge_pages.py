@@ -16,19 +16,18 @@ checks the logits. Writes bench/results/huge-pages-<preset>-<time>.json.
 from __future__ import annotations
 
 import argparse
-import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
-from bench.common import log, result_paths, run_metadata, split_csv, write_json
-from bench.quantized_forward import BLOCK, forward_ms
+from bench.common import result_paths, run_metadata, split_csv, write_json
+from bench.forward_arms import alternate, print_rows, ratio_rows
+from bench.quantized_forward import BLOCK
 from specmesh.config import EngineConfig
 from specmesh.engine.build import build_engine_parts
 from specmesh.engine.huge_pages import huge_page_copies, thp_mode
 from specmesh.engine.int4_linear import WEIGHT_NAMES, Int4GroupLinear, int4_weights_to_huge_pages
-from specmesh.engine.model_runner import ForwardItem, ModelRunner
 from specmesh.engine.paged_attention import PagedKVCache
 
 SMAPS = Path("/proc/self/smaps_rollup")
@@ -75,11 +74,6 @@ def anon_huge_mib() -> float:
     return 0.0
 
 
-def logits_of(runner: ModelRunner, context: list[int]) -> torch.Tensor:
-    table = list(range(-(-(len(context) + 1) // BLOCK)))
-    return runner.forward([ForwardItem(context, 0, table, 1)])[0]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     ks = [int(k) for k in split_csv(args.ks)]
@@ -88,28 +82,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                                             block_size=BLOCK))
     model, runner = parts.loaded.model, parts.runner
     context = [3 + i % 1000 for i in range(args.context)]
-    reference = logits_of(runner, context)
-    huge_mib = {"huge": anon_huge_mib()}
-    times: dict[str, dict[int, list[float]]] = {arm: {k: [] for k in ks} for arm in ("huge", "plain")}
-    for round_index in range(args.rounds):
-        order = ("plain", "huge") if round_index % 2 else ("huge", "plain")
-        for arm in order:
-            (to_huge_pages if arm == "huge" else to_plain_pages)(model, runner.cache)
-            huge_mib[arm] = anon_huge_mib()
-            for k in ks:
-                times[arm][k].append(forward_ms(runner, context, k, args.reps))
-            if not torch.equal(logits_of(runner, context), reference):
-                raise SystemExit(f"{arm}: the logits changed with the pages they live on")
-        log(f"round {round_index + 1}: " + "  ".join(
-            f"k={k} huge {times['huge'][k][-1]:.1f} / plain {times['plain'][k][-1]:.1f} ms" for k in ks))
-    rows = {k: {"huge_ms": statistics.median(times["huge"][k]), "plain_ms": statistics.median(times["plain"][k]),
-                "plain_over_huge": statistics.median(p / h for p, h in zip(times["plain"][k], times["huge"][k],
-                                                                            strict=True))} for k in ks}
+    huge_mib: dict[str, float] = {}
+
+    def arm(name: str, move: Callable[[torch.nn.Module, PagedKVCache], None]) -> Callable[[], None]:
+        def set_up() -> None:
+            move(model, runner.cache)
+            huge_mib[name] = anon_huge_mib()
+        return set_up
+    times = alternate({"huge": arm("huge", to_huge_pages), "plain": arm("plain", to_plain_pages)}, runner, context,
+                      ks, args.rounds, args.reps)
+    rows = ratio_rows(times, "plain", "huge")
     print(f"{args.preset} int4, {args.threads} threads, THP mode {thp_mode() or 'none'}; AnonHugePages "
           f"{huge_mib['huge']:.0f} MiB with the huge arm's weights, {huge_mib['plain']:.0f} MiB with the plain's")
-    for k, row in rows.items():
-        print(f"k={k:<4} huge {row['huge_ms']:7.1f} ms   plain {row['plain_ms']:7.1f} ms   plain / huge "
-              f"{row['plain_over_huge']:.3f} (median of {args.rounds} rounds)")
+    print_rows(rows, "plain", "huge", args.rounds)
     path, _ = result_paths(args.name or f"huge-pages-{args.preset}")
     write_json(path, {"meta": run_metadata(args), "thp_mode": thp_mode(), "anon_huge_mib": huge_mib,
                       "rows": {str(k): row for k, row in rows.items()},

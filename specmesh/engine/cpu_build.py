@@ -58,12 +58,34 @@ def library_path(source: Path, cflags: tuple[str, ...] = AVX2_CFLAGS) -> Path:
 
 
 def load(source: Path, cflags: tuple[str, ...] = AVX2_CFLAGS) -> ctypes.CDLL:
-    """The loaded library; every kernel source exports `sm_cpu_supported`, checked here."""
+    """The loaded library; every kernel source exports `sm_cpu_supported`, checked here. A library with a thread
+    pool (cpu_pool.h) runs its jobs on the process's one shared pool (`share_pools`)."""
     lib = ctypes.CDLL(str(library_path(source, cflags)))
     lib.sm_cpu_supported.restype = ctypes.c_int
     if not lib.sm_cpu_supported():
         raise KernelUnavailable(f"{source.name} needs a CPU with AVX2, FMA and F16C")
+    if hasattr(lib, "sm_use_pool"):
+        lib.sm_use_pool.argtypes = [ctypes.c_void_p]
+        lib.sm_use_pool.restype = None
+        _pooled.append(lib)
+        share_pools(_pools_shared)
     return lib
+
+
+_pooled: list[ctypes.CDLL] = []      # libraries with a pool, in load order: the first one's pool is the shared one
+_pools_shared = True
+
+
+def share_pools(shared: bool = True) -> None:
+    """Every pooled library runs its jobs on the first loaded one's workers (one spinning worker a core), or, with
+    `shared` False, each on its own (cpu_pool.h says why one is better; bench.kernel_pool measures it)."""
+    global _pools_shared
+    _pools_shared = shared
+    if not _pooled:
+        return
+    run = ctypes.cast(_pooled[0].sm_pool_run, ctypes.c_void_p).value if shared else None
+    for lib in _pooled[1:]:
+        lib.sm_use_pool(run)
 
 
 def load_optional(source: Path, fallback: str) -> ctypes.CDLL | None:

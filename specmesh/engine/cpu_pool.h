@@ -96,8 +96,9 @@ static void pool_reset_after_fork(void) {
 static pthread_once_t pool_fork_handler_once = PTHREAD_ONCE_INIT;
 static void pool_install_fork_handler(void) { pthread_atfork(NULL, NULL, pool_reset_after_fork); }
 
-/* fn(ctx, chunk, thread) for every chunk in [0, num_chunks) on up to `threads` threads (the caller included). */
-static void pool_run(int threads, int64_t num_chunks, pool_chunk_fn fn, void *ctx) {
+/* fn(ctx, chunk, thread) for every chunk in [0, num_chunks) on up to `threads` threads (the caller included), on
+   this library's own workers. */
+static void pool_run_own(int threads, int64_t num_chunks, pool_chunk_fn fn, void *ctx) {
     if (threads > POOL_MAX_THREADS) threads = POOL_MAX_THREADS;
     pthread_once(&pool_fork_handler_once, pool_install_fork_handler);
     if (threads <= 1 || num_chunks <= 1 || pthread_mutex_trylock(&pool_busy) != 0) {
@@ -130,6 +131,29 @@ static void pool_run(int threads, int64_t num_chunks, pool_chunk_fn fn, void *ct
         else sched_yield();
     }
     pthread_mutex_unlock(&pool_busy);
+}
+
+/* One pool for every kernel library of a process. Each library that includes this header has its own workers, and a
+   forward alternates between libraries (an int4 matmul, then attention, then the next matmul): with a pool each,
+   every core beyond the caller's held one worker per library, the idle one spinning while the other library's
+   job ran (on a 2-core host the attention pool's worker took ~3 ms of CPU a decoded token from the matmul's two
+   threads). The loader (cpu_build.py) points every library at the first one's pool: `sm_use_pool(that library's
+   sm_pool_run)`; NULL goes back to the library's own. */
+typedef void (*pool_run_fn)(int threads, int64_t num_chunks, pool_chunk_fn fn, void *ctx);
+static pool_run_fn pool_shared;
+
+void sm_use_pool(pool_run_fn run) { __atomic_store_n(&pool_shared, run, __ATOMIC_RELEASE); }
+
+void sm_pool_run(int threads, int64_t num_chunks, pool_chunk_fn fn, void *ctx) {
+    pool_run_own(threads, num_chunks, fn, ctx);
+}
+
+/* fn(ctx, chunk, thread) for every chunk in [0, num_chunks) on up to `threads` threads: on the shared pool where the
+   loader gave one, else on this library's own. */
+static void pool_run(int threads, int64_t num_chunks, pool_chunk_fn fn, void *ctx) {
+    const pool_run_fn shared = __atomic_load_n(&pool_shared, __ATOMIC_ACQUIRE);
+    if (shared) shared(threads, num_chunks, fn, ctx);
+    else pool_run_own(threads, num_chunks, fn, ctx);
 }
 
 #endif
