@@ -2,8 +2,8 @@
 
 Why: a CPU decode step streams every weight once per token (and a long context's KV once per layer). Over 4 KiB
 pages a 1 GB int4 model crosses ~250,000 pages a token, each a TLB miss, and the hardware prefetcher stops at every
-page boundary. With 2 MiB pages that is ~500. Measured on a 2-core Zen 5 (the 1.5B int4 target, one token after
-100, `python -m bench.quantized_forward --huge-pages off,on`): see the README's "Huge pages".
+page boundary. With 2 MiB pages that is ~500. `python -m bench.huge_pages` times both; the README's "Huge pages"
+has what it measured (within noise of nothing on a 2-core Zen 5).
 
 Linux only. The host's setting decides: `/sys/kernel/mm/transparent_hugepage/enabled` "madvise" (Debian and Ubuntu's
 default) or "always" honour the advice, "never" ignores it. Either way the tensors hold the same bytes, so the
