@@ -24,6 +24,7 @@ from gateway.tiers import TENANT_HEADER
 from protos.specmesh.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from specmesh.ops import client
 from specmesh.ops.launcher import PRESETS, Stack, StackConfig
+from specmesh.ops.warmup import warm_up
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_WORKLOAD = str(REPO_ROOT / "bench" / "workload.jsonl")  # the repository's own copy, whatever the cwd
@@ -177,6 +178,7 @@ def stack_addr(args: argparse.Namespace, taskset: dict[str, str] | None = None) 
     started = time.perf_counter()
     stack.start()
     log(f"stack up in {time.perf_counter() - started:.0f} s: gateway {stack.config.gateway_addr}")
+    log(warm_up(stack.config.gateway_addr))          # as `specmesh up` does (and llama-server at load)
     try:
         yield stack.config.gateway_addr
     finally:

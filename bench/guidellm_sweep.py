@@ -30,6 +30,7 @@ from bench.common import free_port_block, log, parse_env, result_paths, run_meta
 from bench.serving_peer import find_server, running_server, target_gguf
 from specmesh.models import resolve_model_dir
 from specmesh.ops.launcher import PRESETS, Stack, StackConfig
+from specmesh.ops.warmup import warm_up
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDELLM = ROOT / ".venv-guidellm" / "bin" / "guidellm"
@@ -73,6 +74,7 @@ def specmesh_http(args: argparse.Namespace) -> Iterator[str]:
                               extra_env=parse_env(args.env)))
     log(f"starting the {args.preset} stack, HTTP on {base + 3}")
     stack.start()
+    log(warm_up(stack.config.gateway_addr))          # as `specmesh up` does; llama-server warms up at load
     try:
         yield f"http://127.0.0.1:{base + 3}"
     finally:

@@ -24,6 +24,7 @@ from specmesh.models import real_pair
 from specmesh.models.catalog import check_model_ref
 from specmesh.ops import cli, client
 from specmesh.ops.launcher import ChildOutput, Stack, StartError, port_is_free, wait_child_ready
+from specmesh.ops.warmup import warm_up
 
 PROMPT = "def fibonacci(n):"
 
@@ -276,6 +277,7 @@ def test_up_prints_every_endpoint_serves_and_stops_on_sigint(up, capsys: pytest.
     for what, where in expected.items():
         assert any(line.strip().startswith(what) and where in line.split() for line in lines), (what, text)
     assert "specmesh is up" in text
+    assert "warmed up: 16 tokens in " in text        # one greedy generation ran before the stack said it was up
     assert "verifier dtype float32 (auto: tiny random-weight model" in text     # said at start, with the reason
     for port in (m, m + 1, m + 2):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
@@ -301,3 +303,9 @@ def test_up_prints_every_endpoint_serves_and_stops_on_sigint(up, capsys: pytest.
     assert proc.returncode == 0 and "specmesh stopped" in out
     assert trace_file.is_file() and trace_file.stat().st_size > 0
     assert all(cli_port_free(p) for p in (ports["port"], ports["verifier-port"], ports["draft-port"]))
+
+
+def test_warm_up_reports_a_gateway_it_cannot_reach_instead_of_raising() -> None:
+    (port,) = free_ports(1)
+    line = warm_up(f"127.0.0.1:{port}", 4, timeout_s=10)
+    assert line.startswith("warm-up skipped: UNAVAILABLE: cannot reach the gateway")

@@ -25,6 +25,7 @@ from specmesh.ops import client
 from specmesh.ops.cli_output import CliError, print_stream
 from specmesh.ops.launcher import PRESETS, PortInUseError, Stack, StackConfig, StartError
 from specmesh.ops.pipeline_cli import add_run_parser
+from specmesh.ops.warmup import DEFAULT_WARMUP_TOKENS, warm_up
 
 DEFAULT_TRACE_FILE = os.path.join(tempfile.gettempdir(), "specmesh-spans.jsonl")
 PORT_FLAGS = {"verifier": "--verifier-port", "draft": "--draft-port", "gateway": "--port",
@@ -173,6 +174,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     print("\n".join(dtypes), flush=True)
     stack = Stack(config)
     _start(stack)
+    if args.warmup_tokens > 0:
+        print(warm_up(config.gateway_addr, args.warmup_tokens), flush=True)
     _print_up(stack)
     stopped = False
 
@@ -252,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "until each of its own processes is serving, prints every endpoint, and runs "
                                     "until Ctrl-C / SIGTERM. Flags default to the SPECMESH_* variables named below.")
     _add_stack_args(up)
+    up.add_argument("--warmup-tokens", type=int, default=DEFAULT_WARMUP_TOKENS,
+                    help="tokens of the one greedy generation run through the stack before it says it is up, so the "
+                         "first client's request does not pay a fresh stack's one-off costs; 0 = none "
+                         "(default %(default)s)")
     up.set_defaults(func=cmd_up)
     gen = sub.add_parser("generate", help="stream a generation from a running gateway")
     gen.add_argument("--addr", default="127.0.0.1:50051", help="gateway address host:port (default %(default)s)")
