@@ -3,6 +3,7 @@ slots), so the machine's drift falls on both arms: the shared loop of bench.huge
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 
@@ -10,9 +11,29 @@ import torch
 
 from bench.common import log
 from bench.quantized_forward import BLOCK, forward_ms
+from specmesh.config import EngineConfig
+from specmesh.engine.build import EngineParts, build_engine_parts
 from specmesh.engine.model_runner import ForwardItem, ModelRunner
 
 Times = dict[str, dict[int, list[float]]]       # arm -> k -> ms per round
+
+
+def add_arm_args(p: argparse.ArgumentParser, ks: str = "1,8,32", rounds: int = 5) -> None:
+    """The flags every alternating-arms bench takes."""
+    p.add_argument("--preset", default="qwen2.5-coder-1.5b")
+    p.add_argument("--ks", default=ks, help="new tokens per forward")
+    p.add_argument("--context", type=int, default=100, help="tokens already in the KV cache")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=rounds, help="rounds of both arms, alternating")
+    p.add_argument("--reps", type=int, default=15, help="forwards per arm, k and round (their median counts)")
+    p.add_argument("--name", default="")
+
+
+def int4_parts(args: argparse.Namespace, ks: Sequence[int]) -> EngineParts:
+    """The int4 engine at --preset and --threads with a KV pool just large enough for --context + max(ks)."""
+    return build_engine_parts(EngineConfig(model=args.preset, dtype="int4", num_threads=args.threads,
+                                           num_kv_blocks=-(-(args.context + max(ks)) // BLOCK) + 1,
+                                           block_size=BLOCK))
 
 
 def logits_of(runner: ModelRunner, context: list[int]) -> torch.Tensor:

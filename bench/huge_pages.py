@@ -22,10 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.common import result_paths, run_metadata, split_csv, write_json
-from bench.forward_arms import alternate, print_rows, ratio_rows
-from bench.quantized_forward import BLOCK
-from specmesh.config import EngineConfig
-from specmesh.engine.build import build_engine_parts
+from bench.forward_arms import add_arm_args, alternate, int4_parts, print_rows, ratio_rows
 from specmesh.engine.huge_pages import huge_page_copies, thp_mode
 from specmesh.engine.int4_linear import WEIGHT_NAMES, Int4GroupLinear, int4_weights_to_huge_pages
 from specmesh.engine.paged_attention import PagedKVCache
@@ -35,13 +32,7 @@ SMAPS = Path("/proc/self/smaps_rollup")
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="qwen2.5-coder-1.5b")
-    p.add_argument("--ks", default="1,8,32", help="new tokens per forward")
-    p.add_argument("--context", type=int, default=100, help="tokens already in the KV cache")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=5, help="rounds of both arms, alternating")
-    p.add_argument("--reps", type=int, default=15, help="forwards per arm, k and round (their median counts)")
-    p.add_argument("--name", default="")
+    add_arm_args(p, rounds=5)
     return p.parse_args(argv)
 
 
@@ -77,9 +68,7 @@ def anon_huge_mib() -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     ks = [int(k) for k in split_csv(args.ks)]
-    parts = build_engine_parts(EngineConfig(model=args.preset, dtype="int4", num_threads=args.threads,
-                                            num_kv_blocks=-(-(args.context + max(ks)) // BLOCK) + 1,
-                                            block_size=BLOCK))
+    parts = int4_parts(args, ks)
     model, runner = parts.loaded.model, parts.runner
     context = [3 + i % 1000 for i in range(args.context)]
     huge_mib: dict[str, float] = {}

@@ -408,3 +408,16 @@ def test_huge_pages_bench_times_both_arms_on_the_same_bits(capsys, tmp_path: Pat
     assert "k=1 " in out and "k=4 " in out and "plain / huge" in out
     written = json.loads(next(tmp_path.glob("hp.smoke-*.json")).read_text())      # a dotted name keeps its suffix
     assert set(written["times_ms"]) == {"huge", "plain"} and len(written["times_ms"]["huge"]["4"]) == 2
+
+
+def test_kernel_pool_bench_times_both_arms_and_leaves_the_pools_shared(capsys, tmp_path: Path, monkeypatch) -> None:
+    from bench import common, kernel_pool
+    from specmesh.engine import cpu_build
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    assert kernel_pool.main(["--preset", "tiny-target", "--ks", "1", "--context", "20", "--rounds", "2",
+                             "--reps", "1"]) == 0
+    assert "separate / shared" in capsys.readouterr().out
+    written = json.loads(next(tmp_path.glob("kernel-pool-tiny-target-*.json")).read_text())
+    assert set(written["times_ms"]) == {"shared", "separate"}
+    assert cpu_build._pools_shared                      # the process goes on with one pool
