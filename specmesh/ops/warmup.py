@@ -1,5 +1,6 @@
 """One short generation through a stack that has just come up, before anyone else's request (`specmesh up`, the
-benchmarks' stacks), as llama-server runs a warm-up decode when it loads a model.
+stacks of the benchmarks' `--start-stack` and of bench.guidellm_sweep), as llama-server runs a warm-up decode
+when it loads a model.
 
 A fresh stack's first request pays one-off costs: the gateway's first chat template and channels to the verifier and
 the draft service, each service's first forward (kernel pool threads started, the KV pool's first pages). On the
