@@ -36,6 +36,11 @@ def int4_parts(args: argparse.Namespace, ks: Sequence[int]) -> EngineParts:
                                            block_size=BLOCK))
 
 
+def context_ids(num_tokens: int) -> list[int]:
+    """The token ids already in the KV cache before the timed forwards (any ids: the timing does not read them)."""
+    return [3 + i % 1000 for i in range(num_tokens)]
+
+
 def logits_of(runner: ModelRunner, context: list[int]) -> torch.Tensor:
     table = list(range(-(-(len(context) + 1) // BLOCK)))
     return runner.forward([ForwardItem(context, 0, table, 1)])[0]

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from bench.common import result_paths, run_metadata, split_csv, write_json
-from bench.forward_arms import add_arm_args, alternate, int4_parts, print_rows, ratio_rows
+from bench.forward_arms import add_arm_args, alternate, context_ids, int4_parts, print_rows, ratio_rows
 from specmesh.engine.huge_pages import huge_page_copies, thp_mode
-from specmesh.engine.int4_linear import WEIGHT_NAMES, Int4GroupLinear, int4_weights_to_huge_pages
+from specmesh.engine.int4_linear import int4_weights_to_huge_pages, replace_int4_weights
 from specmesh.engine.paged_attention import PagedKVCache
 
 SMAPS = Path("/proc/self/smaps_rollup")
@@ -47,11 +47,7 @@ def to_plain_pages(model: torch.nn.Module, cache: PagedKVCache) -> None:
     """The int4 weights and the KV cache cloned into ordinary allocations (4 KiB pages where THP is "madvise")."""
     cache.key_caches = [t.clone() for t in cache.key_caches]
     cache.value_caches = [t.clone() for t in cache.value_caches]
-    for module in model.modules():
-        if isinstance(module, Int4GroupLinear):
-            for name in WEIGHT_NAMES:
-                if getattr(module, name) is not None:
-                    setattr(module, name, getattr(module, name).clone())
+    replace_int4_weights(model, lambda tensors: [t.clone() for t in tensors])
 
 
 def anon_huge_mib() -> float:
@@ -70,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ks = [int(k) for k in split_csv(args.ks)]
     parts = int4_parts(args, ks)
     model, runner = parts.loaded.model, parts.runner
-    context = [3 + i % 1000 for i in range(args.context)]
+    context = context_ids(args.context)
     huge_mib: dict[str, float] = {}
 
     def arm(name: str, move: Callable[[torch.nn.Module, PagedKVCache], None]) -> Callable[[], None]:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from bench.common import result_paths, run_metadata, split_csv, write_json
-from bench.forward_arms import add_arm_args, alternate, int4_parts, print_rows, ratio_rows
+from bench.forward_arms import add_arm_args, alternate, context_ids, int4_parts, print_rows, ratio_rows
 from specmesh.engine import cpu_build
 
 TASKS = Path("/proc/self/task")
@@ -50,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     ks = [int(k) for k in split_csv(args.ks)]
     parts = int4_parts(args, ks)
-    context = [3 + i % 1000 for i in range(args.context)]
+    context = context_ids(args.context)
     worker_cpu_s = {"shared": 0.0, "separate": 0.0}
     last: list[tuple[str, float]] = []
 

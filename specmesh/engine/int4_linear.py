@@ -13,6 +13,8 @@ is in `int4_kernel.c`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 from torch import nn
 
@@ -100,12 +102,18 @@ def quantize_linears_int4(model: nn.Module) -> int:
     return replace_linears(model, Int4GroupLinear)
 
 
+def replace_int4_weights(model: nn.Module, copy: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]) -> int:
+    """Every Int4GroupLinear's weights, in the model's module order, replaced by `copy` of them (one call for all);
+    returns the bytes replaced."""
+    owners = [(module, name) for module in model.modules() if isinstance(module, Int4GroupLinear)
+              for name in WEIGHT_NAMES if getattr(module, name) is not None]
+    copies = copy([getattr(module, name) for module, name in owners])
+    for (module, name), tensor in zip(owners, copies, strict=True):
+        setattr(module, name, tensor)
+    return sum(tensor.numel() * tensor.element_size() for tensor in copies)
+
+
 def int4_weights_to_huge_pages(model: nn.Module) -> int:
     """Moves every Int4GroupLinear's weights, in the model's module order, into one mapping advised for huge pages
     (huge_pages.py: fewer TLB misses as a decode step streams them; the same bytes). Returns the bytes moved."""
-    owners = [(module, name) for module in model.modules() if isinstance(module, Int4GroupLinear)
-              for name in WEIGHT_NAMES if getattr(module, name) is not None]
-    copies = huge_page_copies([getattr(module, name) for module, name in owners])
-    for (module, name), copy in zip(owners, copies, strict=True):
-        setattr(module, name, copy)
-    return sum(copy.numel() * copy.element_size() for copy in copies)
+    return replace_int4_weights(model, huge_page_copies)
