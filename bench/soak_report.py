@@ -1,5 +1,6 @@
 """Pure bookkeeping for bench/soak.py: outcomes and whether each was expected, greedy exactness, RSS growth,
-Prometheus text, the verdict and the printed table. Plain data in, plain data out (tested in bench/test_bench.py)."""
+Prometheus text, the verdict and the printed table. Plain data in, plain data out
+(tested in bench/test_soak_report.py)."""
 
 from __future__ import annotations
 

@@ -341,8 +341,12 @@ async def test_sessions_of_a_sigkilled_gateway_expire(leased) -> None:
         # model round could pay under their load: with three streams starting together, by timing, none may be);
         # then two more. Kill only once every session has its first token: a StartSession still in flight when the
         # gateway dies is cancelled, and a cancelled StartSession closes its session at once (no lease to expire).
+        # The same holds for the Propose that opened the draft session (the draft prefill, sent after the verifier's
+        # and not awaited by the stream): wait until it was answered (its context computed, the session no longer
+        # busy) before the kill.
         streams = [asyncio.ensure_future(_status_of_stream(f"127.0.0.1:{port}", request))]
-        await _until(lambda: bool(draft.engine.sessions), 30.0)
+        await _until(lambda: any(s.seq.num_computed > 0 and not s.busy for s in list(draft.engine.sessions.values())),
+                     30.0)
         streams += [asyncio.ensure_future(_status_of_stream(f"127.0.0.1:{port}", request)) for _ in range(2)]
         await _until(lambda: len(verifier.engine.sessions) == 3
                      and all(s.started for s in verifier.engine.sessions.values()), 30.0)
