@@ -26,7 +26,7 @@ async def _main(argv: list[str]) -> None:
     if config.http_port:
         ssl_context = http_ssl_context(config.tls)
         model = ServedModel(gateway.model.name, gateway.model.max_model_len, int(time.time()))
-        loopback = add_loopback_port(server)
+        loopback = gateway.loopback or add_loopback_port(server)
         http = await start_openai_http(model, config.host, config.http_port, lambda: loopback,
                                        grpc.aio.insecure_channel, gateway.metrics, gateway.tokenizer, ssl_context,
                                        load_api_keys(config), config.limits)

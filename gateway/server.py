@@ -16,11 +16,13 @@ from gateway.channels import internal_channel
 from gateway.discovery import Discovery, Resolver, parse_addrs, resolve_dns
 from gateway.draft_pool import DraftPool
 from gateway.health import VerifierWatch
+from gateway.openai_http import add_loopback_port
 from gateway.replicas import VerifierPool
 from gateway.safe_parse import add_generation_servicer
 from gateway.servicer import GenerationServicer, ModelInfo
 from gateway.text_stream import IncrementalDetokenizer
 from gateway.tiers import build_tiers
+from gateway.warmup_gate import WarmupGate
 from protos.specmesh.v1 import draft_pb2_grpc, generate_pb2, verifier_pb2, verifier_pb2_grpc
 from specmesh.config import GatewayConfig
 from specmesh.models import resolve_model_dir
@@ -90,6 +92,7 @@ class Gateway:
     metrics: GatewayMetrics            # one registry: the metrics port and the HTTP API's /metrics
     watch: VerifierWatch               # readiness: some verifier replica answers
     verifiers: VerifierPool            # the replicas now (discovery keeps it current)
+    loopback: str | None = None        # the gRPC server's unix-socket loopback, where one was added (the warm-up)
 
 
 async def build_gateway(config: GatewayConfig, wait_for_verifier_s: float = 600.0,
@@ -129,9 +132,14 @@ async def build_gateway_parts(config: GatewayConfig, wait_for_verifier_s: float 
                            max_message_bytes=config.limits.max_body_bytes)
     metrics.registry.register(StatsCollector(server.stats))       # tier hits, draft-link bytes
     server.metrics = start_metrics(config.telemetry, config.host, metrics.registry)
-    watch = VerifierWatch(verifiers, server.set_ready, config.health_probe_interval_s,      # gRPC and HTTP health
+    gate = WarmupGate(server, config.warmup_tokens, next(iter(keys), ""))
+    watch = VerifierWatch(verifiers, gate.set_ready, config.health_probe_interval_s,       # gRPC and HTTP health
                           config.health_probe_timeout_s, config.health_probe_failures)
-    server.readiness = lambda: watch.serving
+    server.readiness = lambda: gate.ready(watch.serving)
+    loopback = None
+    if config.warmup_tokens > 0:                # the gateway's own warm-up, before it reports SERVING
+        loopback = add_loopback_port(server)
+        server.background.append(lambda: gate.run(loopback, lambda: watch.serving))
     watch.start()
     server.on_stop.append(watch.close)
     for discovery in discoveries:                                 # dns:/// names are resolved again and again
@@ -140,4 +148,4 @@ async def build_gateway_parts(config: GatewayConfig, wait_for_verifier_s: float 
     server.on_stop.append(tiers.close)
     server.stats["drafting"] = tiers.snapshot
     server.stats["round_outcomes"] = servicer.outcomes.snapshot   # specmesh_round_outcomes_* counters
-    return Gateway(server, model, tokenizer, metrics, watch, verifiers)
+    return Gateway(server, model, tokenizer, metrics, watch, verifiers, loopback)

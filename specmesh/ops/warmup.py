@@ -9,6 +9,10 @@ reached its first token in 599-773 ms without a warm-up (the next ones: 76-130 m
 16-token one. Its inter-token gap did not settle: whether a request tries the draft model is the gateway's
 learned priors' choice (gateway/learned_priors.py), and requests after the warm-up still tried it. The warm-up is an
 ordinary greedy request: it shows in the metrics and the trace like any other.
+
+A gateway started on its own (docker-compose, Kubernetes) runs the same generation through its own gRPC server when
+`SPECMESH_GATEWAY_WARMUP_TOKENS` > 0 (the deploy files set 16), and reports SERVING only after it
+(gateway/warmup_gate.py): a readiness probe sends no traffic to a cold gateway.
 """
 
 from __future__ import annotations
@@ -18,28 +22,39 @@ import time
 
 import grpc
 
+from protos.specmesh.v1 import generate_pb2_grpc
 from specmesh.ops import client
 
 WARMUP_MESSAGES = (("user", "Write a Python function that returns the n-th Fibonacci number."),)
 DEFAULT_WARMUP_TOKENS = 16
 
 
-async def _generate(addr: str, num_tokens: int, timeout_s: float) -> int:
+async def _generate(addr: str, num_tokens: int, timeout_s: float, api_key: str) -> int:
     request = client.make_request(messages=WARMUP_MESSAGES, max_new_tokens=num_tokens, ignore_eos=True)
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
     num_generated = 0
-    async for response in client.stream(addr, request, timeout_s):
-        num_generated += len(response.token_ids)
+    async with grpc.aio.insecure_channel(addr) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        async for response in stub.Generate(request, timeout=timeout_s, metadata=metadata):
+            num_generated += len(response.token_ids)
     return num_generated
 
 
-def warm_up(addr: str, num_tokens: int = DEFAULT_WARMUP_TOKENS, timeout_s: float = 300.0) -> str:
-    """Runs the warm-up generation against the gateway at `addr`; returns one line saying how it went. A failure
-    (a gateway that wants an API key, a timeout) is reported in that line, never raised: the stack is up either
-    way and serves as it would have without it."""
+async def warm_up_async(addr: str, num_tokens: int = DEFAULT_WARMUP_TOKENS, timeout_s: float = 300.0,
+                        api_key: str = "") -> str:
+    """The warm-up generation against the gateway at `addr` (host:port, or the gateway's own unix: loopback), with
+    `api_key` where the gateway wants one; returns one line saying how it went. A failure (a gateway that wants an
+    API key, a timeout, a verifier that is down) is reported in that line, never raised: the stack serves as it
+    would have without it."""
     started = time.perf_counter()
     try:
-        num_generated = asyncio.run(_generate(addr, num_tokens, timeout_s))
+        num_generated = await _generate(addr, num_tokens, timeout_s, api_key)
     except grpc.RpcError as exc:
         return f"warm-up skipped: {client.describe_rpc_error(exc, addr)}"
     seconds = time.perf_counter() - started
     return f"warmed up: {num_generated} tokens in {seconds:.1f} s (a fresh stack's one-off costs, before any client)"
+
+
+def warm_up(addr: str, num_tokens: int = DEFAULT_WARMUP_TOKENS, timeout_s: float = 300.0) -> str:
+    """`warm_up_async` from synchronous code (`specmesh up`, the benchmarks' stacks)."""
+    return asyncio.run(warm_up_async(addr, num_tokens, timeout_s))
