@@ -127,6 +127,8 @@ class VerifierConfig:
                                        # so concurrent streams share forwards (verifier_service/gather.py); 0 = off
     session_lease_s: float = 60.0      # no call for this long: the session is ended and its KV freed (> draft timeout)
     tenant_reserve_sessions: int = 16  # the last this many session slots only go to tenants that hold none
+    warmup_tokens: int = 0             # one greedy session of this many tokens through the engine before health says
+                                       # SERVING (verifier_service/warmup.py); 0 = none (the deploy files set 16)
     limits: InputLimits = InputLimits()
     telemetry: TelemetryConfig = TelemetryConfig()
     tls: TlsConfig = TlsConfig()
