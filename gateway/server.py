@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +23,10 @@ from gateway.safe_parse import add_generation_servicer
 from gateway.servicer import GenerationServicer, ModelInfo
 from gateway.text_stream import IncrementalDetokenizer
 from gateway.tiers import build_tiers
-from gateway.warmup_gate import WarmupGate
 from protos.specmesh.v1 import draft_pb2_grpc, generate_pb2, verifier_pb2, verifier_pb2_grpc
 from specmesh.config import GatewayConfig
 from specmesh.models import resolve_model_dir
+from specmesh.ops.warmup import warm_up_async
 from specmesh.rpc.grpc_server import ServiceServer
 from specmesh.rpc.security import PUBLIC_METHOD_PREFIX, api_key_interceptors, load_api_keys, server_credentials
 from specmesh.telemetry.metrics import GatewayMetrics, StatsCollector, start_metrics
@@ -95,6 +96,18 @@ class Gateway:
     loopback: str | None = None        # the gRPC server's unix-socket loopback, where one was added (the warm-up)
 
 
+async def warm_up_gateway(watch: VerifierWatch, target: str, num_tokens: int, api_key: str,
+                          wait_s: float = 120.0) -> str:
+    """The gateway's own warm-up (SPECMESH_GATEWAY_WARMUP_TOKENS; ServiceServer.warm_up holds SERVING until it
+    ends): once some verifier replica answers (waiting up to wait_s), one greedy generation through the gateway's
+    own unix-socket loopback (`target`, as the HTTP API's), with its own first API key where it wants one
+    (specmesh/ops/warmup.py), so compose's healthcheck or a Kubernetes readiness probe waits for a warm gateway."""
+    deadline = time.monotonic() + wait_s
+    while not watch.serving and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    return await warm_up_async(target, num_tokens, api_key=api_key)
+
+
 async def build_gateway(config: GatewayConfig, wait_for_verifier_s: float = 600.0,
                         resolver: Resolver = resolve_dns) -> ServiceServer:
     return (await build_gateway_parts(config, wait_for_verifier_s, resolver)).server
@@ -132,14 +145,13 @@ async def build_gateway_parts(config: GatewayConfig, wait_for_verifier_s: float 
                            max_message_bytes=config.limits.max_body_bytes)
     metrics.registry.register(StatsCollector(server.stats))       # tier hits, draft-link bytes
     server.metrics = start_metrics(config.telemetry, config.host, metrics.registry)
-    gate = WarmupGate(server, config.warmup_tokens, next(iter(keys), ""))
-    watch = VerifierWatch(verifiers, gate.set_ready, config.health_probe_interval_s,       # gRPC and HTTP health
+    watch = VerifierWatch(verifiers, server.set_ready, config.health_probe_interval_s,      # gRPC and HTTP health
                           config.health_probe_timeout_s, config.health_probe_failures)
-    server.readiness = lambda: gate.ready(watch.serving)
+    server.readiness = lambda: watch.serving
     loopback = None
     if config.warmup_tokens > 0:                # the gateway's own warm-up, before it reports SERVING
         loopback = add_loopback_port(server)
-        server.background.append(lambda: gate.run(loopback, lambda: watch.serving))
+        server.warm_up = lambda: warm_up_gateway(watch, loopback, config.warmup_tokens, next(iter(keys), ""))
     watch.start()
     server.on_stop.append(watch.close)
     for discovery in discoveries:                                 # dns:/// names are resolved again and again

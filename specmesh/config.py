@@ -189,7 +189,7 @@ class GatewayConfig:
     health_probe_timeout_s: float = 2.0    # a probe slower than this failed
     health_probe_failures: int = 2         # failed probes in a row before a replica counts as down
     warmup_tokens: int = 0                 # one greedy generation this long through the gateway itself before
-                                           # health says SERVING (gateway/warmup_gate.py); 0 = none (`specmesh
+                                           # health says SERVING (gateway/server.py); 0 = none (`specmesh
                                            # up` warms its stack as a client; the deploy files set 16)
     cache_dir: str = ""
     enable_cache: bool = True              # draft cache tier (kvstore): in-process unless redis_url is set

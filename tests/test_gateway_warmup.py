@@ -1,5 +1,6 @@
 """The gateway's own warm-up (SPECMESH_GATEWAY_WARMUP_TOKENS): health says SERVING only after one generation ran
-through the gateway itself, with its own API key where it wants one; a warm-up that fails still opens the gateway."""
+through the gateway itself, with its own API key where it wants one (the mechanism, ServiceServer.warm_up:
+tests/test_server_warm_up.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import time
 from grpc_health.v1 import health_pb2
 
 from gateway.server import build_gateway_parts
-from gateway.warmup_gate import WarmupGate
 from specmesh.config import GatewayConfig
 from tests.stack import start_verifier
 from tests.test_health import grpc_health
@@ -42,29 +42,3 @@ async def test_the_gateway_reports_serving_only_after_its_warm_up() -> None:
         await gateway.server.stop()
         await verifier.stop()
 
-
-class _Server:
-    def __init__(self) -> None:
-        self.ready: list[bool] = []
-
-    async def set_ready(self, ready: bool) -> None:
-        self.ready.append(ready)
-
-
-async def test_a_failed_warm_up_still_opens_the_gateway_and_the_watch_decides_before() -> None:
-    server = _Server()
-    gate = WarmupGate(server, num_tokens=4)          # type: ignore[arg-type] - the one method the gate calls
-    await gate.set_ready(True)                       # a verifier answers, the warm-up has not run: still closed
-    assert server.ready == [False] and not gate.ready(True)
-    # nothing listens there: the warm-up fails at once, is logged, and the gateway opens anyway
-    await gate.run("unix:/nonexistent/specmesh-warmup.sock", lambda: True, timeout_s=5.0)
-    assert server.ready == [False, True] and gate.done
-    await gate.set_ready(False)                      # then only the watch decides
-    assert server.ready[-1] is False and gate.ready(True)
-
-
-async def test_without_a_warm_up_the_watch_alone_decides() -> None:
-    server = _Server()
-    gate = WarmupGate(server, num_tokens=0)          # type: ignore[arg-type]
-    await gate.set_ready(True)
-    assert server.ready == [True] and gate.done

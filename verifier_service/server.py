@@ -14,7 +14,7 @@ from specmesh.telemetry.metrics import SessionMetrics, start_metrics
 from verifier_service.engine import VerifierEngine
 from verifier_service.servicer import VerifierServicer
 from verifier_service.tenant_share import TenantShare
-from verifier_service.warmup import warm_up_engine, warm_up_then_open
+from verifier_service.warmup import warm_up_engine
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
@@ -43,16 +43,8 @@ def build_verifier(config: VerifierConfig) -> tuple[ServiceServer, VerifierEngin
     expired = SessionMetrics(engine.metrics.registry).expired
     server.background.append(lambda: reap_forever(leases, engine.end_session, expired.inc))
     if config.warmup_tokens > 0:               # SERVING only after the replica's own warm-up (warmup.py)
-        warmed = [False]
-        server.readiness = lambda: warmed[0]
         vocab_size = parts.loaded.model.config.vocab_size
-
-        async def open_() -> None:
-            warmed[0] = True
-            await server.set_ready(True)
-
-        server.background.append(lambda: warm_up_then_open(
-            lambda: warm_up_engine(engine, config.warmup_tokens, vocab_size), open_))
+        server.warm_up = lambda: warm_up_engine(engine, config.warmup_tokens, vocab_size)
     engine.start()
     return server, engine
 

@@ -1,24 +1,20 @@
 """A verifier replica's own warm-up (`SPECMESH_VERIFIER_WARMUP_TOKENS` > 0): one greedy session through the engine
 before health reports SERVING, so a replica that Kubernetes adds (or compose restarts) takes its first request warm.
-The gateway's warm-up (gateway/warmup_gate.py) reaches only the replica it places on.
+The gateway's warm-up (gateway/server.py) reaches only the replica it places on.
 
 The session prefills a short prompt, decodes `num_tokens` tokens, alternating undrafted verifies with verifies of 4
 drafts (the multi-row path), then ends; its KV blocks are free again (evictable prompt blocks stay in the prefix
-cache) before the replica opens. It is not a client session: no lease, no owner. A failure is logged and the replica
-opens anyway, as it would have without a warm-up.
+cache) before the replica opens. It is not a client session: no lease, no owner. ServiceServer.warm_up runs it and
+holds SERVING until it ends; a failure is logged and the replica opens anyway, as it would have without a warm-up.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from collections.abc import Awaitable, Callable
 
 from specmesh.spec.sampling import SamplingParams
 from verifier_service.engine import VerifierEngine
-
-log = logging.getLogger(__name__)
 
 WARMUP_SESSION_ID = "specmesh-verifier-warmup"
 WARMUP_PROMPT_TOKENS = 48
@@ -44,12 +40,3 @@ async def warm_up_engine(engine: VerifierEngine, num_tokens: int, vocab_size: in
     return (f"warmed up: {len(prompt_ids)} prompt and {len(generated)} generated tokens in "
             f"{time.perf_counter() - started:.1f} s before reporting SERVING")
 
-
-async def warm_up_then_open(warm_up: Callable[[], Awaitable[str]], open_: Callable[[], Awaitable[None]]) -> None:
-    """The server's background task: the warm-up, whatever its outcome, then SERVING."""
-    try:
-        log.info("%s", await warm_up())
-    except Exception as exc:  # noqa: BLE001 - any failure: serve as without a warm-up
-        log.warning("warm-up failed (%r); serving without it", exc)
-    finally:
-        await open_()

@@ -12,7 +12,7 @@ ordinary greedy request: it shows in the metrics and the trace like any other.
 
 A gateway started on its own (docker-compose, Kubernetes) runs the same generation through its own gRPC server when
 `SPECMESH_GATEWAY_WARMUP_TOKENS` > 0 (the deploy files set 16), and reports SERVING only after it
-(gateway/warmup_gate.py): a readiness probe sends no traffic to a cold gateway.
+(`gateway.server.warm_up_gateway`): a readiness probe sends no traffic to a cold gateway.
 """
 
 from __future__ import annotations

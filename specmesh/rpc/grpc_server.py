@@ -67,6 +67,11 @@ class ServiceServer:
         # When set, health reports SERVING only while it is true (the gateway: some verifier replica answers);
         # whoever watches it calls set_ready() on each change.
         self.readiness: Callable[[], bool] | None = None
+        # When set, run once in the background after start(), and health reports SERVING only after it has ended,
+        # however it ended (its line or its failure is logged): a service's warm-up (the gateway's generation through
+        # itself, a verifier replica's session through its engine), so a readiness probe waits for it.
+        self.warm_up: Callable[[], Awaitable[str]] | None = None
+        self._warm = True
         self._stopping = False
 
     async def start(self, host: str, port: int) -> int:
@@ -77,13 +82,26 @@ class ServiceServer:
             raise RuntimeError(f"cannot bind {host}:{port}")
         await self.server.start()
         self._tasks = [asyncio.ensure_future(make()) for make in self.background]
+        if self.warm_up is not None:
+            self._warm = False
+            self._tasks.append(asyncio.ensure_future(self._warm_up_then_open(self.warm_up)))
         await self.set_ready(self.readiness is None or self.readiness())
         return self.port
 
+    async def _warm_up_then_open(self, warm_up: Callable[[], Awaitable[str]]) -> None:
+        try:
+            log.info("%s", await warm_up())
+        except Exception as exc:  # noqa: BLE001 - any failure: serve as without a warm-up
+            log.warning("warm-up failed (%r); serving without it", exc)
+        finally:
+            self._warm = True
+            await self.set_ready(self.readiness is None or self.readiness())
+
     async def set_ready(self, ready: bool) -> None:
-        """SERVING or NOT_SERVING for every service name; ignored before start and once stopping."""
+        """SERVING or NOT_SERVING for every service name (NOT_SERVING until a warm-up has ended); ignored before
+        start and once stopping."""
         if self.port and not self._stopping:
-            await self._set_status(health_pb2.HealthCheckResponse.SERVING if ready
+            await self._set_status(health_pb2.HealthCheckResponse.SERVING if ready and self._warm
                                    else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def _set_status(self, status: int) -> None:
