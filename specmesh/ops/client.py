@@ -28,11 +28,13 @@ def make_request(prompt: str = "", *, messages: Sequence[tuple[str, str]] = (), 
     return request
 
 
-async def stream(addr: str, request: generate_pb2.GenerateRequest,
-                 timeout_s: float | None = None) -> AsyncIterator[generate_pb2.GenerateResponse]:
+async def stream(addr: str, request: generate_pb2.GenerateRequest, timeout_s: float | None = None,
+                 api_key: str = "") -> AsyncIterator[generate_pb2.GenerateResponse]:
+    """api_key: sent as `authorization: Bearer <key>` where given."""
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
     async with grpc.aio.insecure_channel(addr) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
-        async for response in stub.Generate(request, timeout=timeout_s):
+        async for response in stub.Generate(request, timeout=timeout_s, metadata=metadata):
             yield response
 
 

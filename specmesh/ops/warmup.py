@@ -22,7 +22,6 @@ import time
 
 import grpc
 
-from protos.specmesh.v1 import generate_pb2_grpc
 from specmesh.ops import client
 
 WARMUP_MESSAGES = (("user", "Write a Python function that returns the n-th Fibonacci number."),)
@@ -31,12 +30,9 @@ DEFAULT_WARMUP_TOKENS = 16
 
 async def _generate(addr: str, num_tokens: int, timeout_s: float, api_key: str) -> int:
     request = client.make_request(messages=WARMUP_MESSAGES, max_new_tokens=num_tokens, ignore_eos=True)
-    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
     num_generated = 0
-    async with grpc.aio.insecure_channel(addr) as channel:
-        stub = generate_pb2_grpc.GenerationStub(channel)
-        async for response in stub.Generate(request, timeout=timeout_s, metadata=metadata):
-            num_generated += len(response.token_ids)
+    async for response in client.stream(addr, request, timeout_s, api_key):
+        num_generated += len(response.token_ids)
     return num_generated
 
 
