@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from draft_service.engine import DraftEngine
 from draft_service.servicer import DraftServicer
+from draft_service.warmup import warm_up_engine
 from protos.specmesh.v1 import draft_pb2, draft_pb2_grpc
 from specmesh.config import DraftConfig
 from specmesh.engine.build import build_engine_parts
@@ -31,5 +32,8 @@ def build_draft(config: DraftConfig) -> tuple[ServiceServer, DraftEngine]:
     server.metrics = start_metrics(config.telemetry, config.host, engine.metrics.registry)
     expired = SessionMetrics(engine.metrics.registry).expired
     server.background.append(lambda: reap_forever(leases, engine.end_session, expired.inc))
+    if config.warmup_tokens > 0:               # SERVING only after the replica's own warm-up (warmup.py)
+        vocab_size = parts.loaded.model.config.vocab_size
+        server.warm_up = lambda: warm_up_engine(engine, config.warmup_tokens, vocab_size, config.max_q_entries)
     engine.start()
     return server, engine

@@ -147,6 +147,8 @@ class DraftConfig:
     max_catch_up_tokens: int = 512     # a session's Propose bringing up to this many tokens verified since its last
                                        # one is decode work, run before prompts, whole (0 = one KV block)
     session_lease_s: float = 60.0      # no call for this long: the session is ended and its KV freed (> draft timeout)
+    warmup_tokens: int = 0             # one greedy session drafting this many tokens through the engine before health
+                                       # says SERVING (draft_service/warmup.py); 0 = none (the deploy files set 16)
     limits: InputLimits = InputLimits()
     telemetry: TelemetryConfig = TelemetryConfig()
     tls: TlsConfig = TlsConfig()
