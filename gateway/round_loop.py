@@ -133,18 +133,23 @@ class Generation:
         with the draft on the verifier's cores), only if a draft model round could pay at its best under the load the
         verifier reported (`RoundCostModel.model_could_pay`): a
         model that could not pay is not chosen, and its prefill only took CPU from the services sharing the host
-        (8 streams of the real pair: ~1.9 s of the draft service's CPU per 16 requests that drafted 10 tokens)."""
+        (8 streams of the real pair: ~1.9 s of the draft service's CPU per 16 requests that drafted 10 tokens). On the
+        verifier's cores, also only if the request's tokens could repay the prefill itself, priced by the verifier's
+        own prefill time (`RoundCostModel.draft_prefill_could_pay`: not for a long document with a short answer)."""
         drafter, k = self.drafter, self.params.num_draft_tokens
         if drafter is None or self.cost_model is None or self.cost_model.choice is None:
             start, _ = await asyncio.gather(self._start_session(),
                                             drafter.prefill(self.params.prompt_ids, k) if drafter else asyncio.sleep(0))
             self._observe_start(start)
             return start
+        started = time.monotonic()
         start = await self._start_session()
+        prefill_s = time.monotonic() - started
         self._observe_start(start)
         # Counted now, not at arrival: the first request of a burst arrived alone, but by its first token the others
         # run beside it (4 streams starting together: one draft prefill and model trials a level, for nothing).
-        if self.cost_model.model_could_pay(k, alone=self.other_requests() == 0):
+        if self.cost_model.model_could_pay(k, alone=self.other_requests() == 0) \
+                and self.cost_model.draft_prefill_could_pay(k, self.params.max_new_tokens, prefill_s):
             self._draft_prefill = asyncio.ensure_future(drafter.prefill(self.params.prompt_ids, k))
         return start
 

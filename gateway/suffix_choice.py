@@ -67,6 +67,8 @@ PROBE_BUDGET = 0.1           # ... at least: its extra round time over the best'
 MODEL_TRIALS = 2             # verified model rounds every request gets, whatever the estimates (under load: if they
                              # could pay)
 BEST_CASE_ACCEPTANCE = 0.9   # per drafted token: the most a trial or a probe under load is assumed to find
+PRIOR_DRAFT_TOKEN_RATIO = 1 / 3   # a draft model token's compute over a target token's, until a model round is
+                                  # measured (the real pair: 0.5B against 1.5B weights)
 MAX_MODEL_K = 64
 MAX_DEPTH = 32               # suffix calibration per depth up to here (deeper nodes share the last)
 DEPTH_SHRINK = 2.0           # pseudo-observations pulling a depth's calibration toward the pooled one
@@ -265,6 +267,34 @@ class ProposerChoice:
             return True
         best_case = sum(BEST_CASE_ACCEPTANCE ** i for i in range(1, num_tokens + 1))
         return self.rate(proposer, best_case, num_tokens) > self.rate(NONE, 0.0, 0)
+
+    def prefill_could_pay(self, num_tokens: int, max_new_tokens: int, target_prefill_s: float) -> bool:
+        """With the draft on the verifier's cores (`draft_host_share` > 0): whether the draft service's prefill of a
+        prompt that took the verifier `target_prefill_s` could be repaid by model rounds of `num_tokens` drafts at
+        their best (BEST_CASE_ACCEPTANCE, as `could_pay`) over all `max_new_tokens` tokens of the request. The
+        prefill's compute is the verifier's times the draft's cost per token over the target's (a measured model
+        round's time per drafted token over an undrafted verify's; PRIOR_DRAFT_TOKEN_RATIO before one), and on
+        shared cores the verifier's forwards give up that much time; the most model rounds can save is the
+        request's tokens at target-only's rate minus at the model's best rate:
+
+            ratio * target_prefill_s  <  max_new_tokens * (1 / rate(none) - 1 / rate(model, best case))
+
+        A 3,900-token document the verifier prefilled in ~31 s costs the 0.5B draft ~10 s of the 2 shared cores,
+        more than 96 tokens at their best could save (~3.5 s); a 100-token chat prompt costs ~0.3 s. On a host of its
+        own the draft's prefill takes nothing from the verifier: always."""
+        if self.draft_host_share <= 0:
+            return True
+        if num_tokens <= 0:
+            return False
+        best_case = sum(BEST_CASE_ACCEPTANCE ** i for i in range(1, num_tokens + 1))
+        model_rate, none_rate = self.rate(MODEL, best_case, num_tokens), self.rate(NONE, 0.0, 0)
+        if model_rate <= none_rate or none_rate <= 0:
+            return False
+        saved_s = max_new_tokens * (1 / none_rate - 1 / model_rate)
+        ratio = PRIOR_DRAFT_TOKEN_RATIO
+        if MODEL in self._cost:
+            ratio = self.cost_s(MODEL, num_tokens) / num_tokens / max(self.verify_s(0), 1e-6)
+        return ratio * target_prefill_s < saved_s
 
     # ------------------------------------------------------------------ observations
     def observe_cost(self, proposer: str, seconds: float) -> None:

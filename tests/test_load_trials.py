@@ -172,11 +172,12 @@ class CountingDrafter:
 
 
 async def prefills_made(num_other_requests: int, start: verifier_pb2.StartSessionResponse,
-                        model_s: float = 0.3, prefill_s: float = 0.0, arrived_alone: bool = False,
-                        draft_host_share: float = 0.0) -> tuple[int, list[tuple[int, int]]]:
+                        model_s: float | None = 0.3, prefill_s: float = 0.0, arrived_alone: bool = False,
+                        draft_host_share: float = 0.0,
+                        verifier_prefill_s: float = 0.0) -> tuple[int, list[tuple[int, int]]]:
     """A generation's prefill beside `num_other_requests` requests (`arrived_alone`: they started while its verifier
-    prefilled), its verifier answering `start`, then its first proposal: (draft prefills made, (started, done) at
-    each proposal)."""
+    prefilled), its verifier answering `start` after `verifier_prefill_s`, then its first proposal: (draft prefills
+    made, (started, done) at each proposal)."""
     choice = measured(0, model_s=model_s, draft_host_share=draft_host_share)
     choice.model.observe_load(0.0, 0.0)
     drafter = CountingDrafter(prefill_s)
@@ -187,6 +188,7 @@ async def prefills_made(num_other_requests: int, start: verifier_pb2.StartSessio
 
     async def open_session(prompt_ids: list[int], max_new_tokens: int) -> verifier_pb2.StartSessionResponse:
         nonlocal running
+        await asyncio.sleep(verifier_prefill_s)
         running = num_other_requests
         return start
     generation.session.open = open_session          # type: ignore[method-assign]
@@ -223,6 +225,34 @@ async def test_alone_on_the_verifiers_cores_the_draft_prefills_only_where_its_mo
     assert (await prefills_made(0, idle, draft_host_share=0.5))[0] == 0
     assert (await prefills_made(0, idle, model_s=0.001, draft_host_share=0.5))[0] == 1
     assert (await prefills_made(0, idle))[0] == 1                        # the draft on a host of its own
+
+
+def test_on_the_verifiers_cores_a_draft_prefill_must_be_repaid_by_the_requests_tokens() -> None:
+    """The draft on the verifier's cores: its prefill of a prompt takes the verifier's prefill time times the
+    draft's cost per token over the target's from every forward meanwhile, so it is made only where the request's
+    tokens could repay it with model rounds at their best. 0.1 s target-only rounds, 4 drafts at 0.9 acceptance
+    verified in 0.2 s: at most ~51 ms saved a token, 4.9 s over 96 tokens. An unmeasured model is priced at a third
+    of the target (a 31 s document prefill: 10.3 s, not made; 3 s: made); one measured at 50 ms for 4 drafts at an
+    eighth (20 s: 2.5 s, made; 31 s: 3.9 s against the 3.7 s its slower rounds save, not made). On a host of its
+    own, always; and no draft tokens, never."""
+    unmeasured = measured(0, model_s=None, draft_host_share=0.5)
+    assert not unmeasured.prefill_could_pay(4, 96, 31.0)
+    assert unmeasured.prefill_could_pay(4, 96, 3.0)
+    assert unmeasured.prefill_could_pay(4, 960, 31.0)                  # a long answer repays a long prompt
+    slow = measured(0, model_s=0.05, draft_host_share=0.5)
+    assert slow.prefill_could_pay(4, 96, 20.0) and not slow.prefill_could_pay(4, 96, 31.0)
+    assert measured(0, model_s=None).prefill_could_pay(4, 96, 31.0)   # a host of its own
+    assert not unmeasured.prefill_could_pay(0, 96, 0.1)
+
+
+async def test_alone_on_the_verifiers_cores_a_long_prompts_draft_prefill_is_not_made() -> None:
+    """Through the generation: the verifier's prefill time prices the draft's (8 tokens to generate: at most 0.41 s
+    saved by an unmeasured model; a prompt the verifier prefilled in 1.5 s would cost the draft's 0.5 s)."""
+    idle = verifier_pb2.StartSessionResponse(first_token_id=7, token_cost=S, free_tokens=1, num_batch_tokens=3,
+                                             num_sessions=1)
+    assert (await prefills_made(0, idle, model_s=None, draft_host_share=0.5, verifier_prefill_s=1.5))[0] == 0
+    assert (await prefills_made(0, idle, model_s=None, draft_host_share=0.5, verifier_prefill_s=0.1))[0] == 1
+    assert (await prefills_made(0, idle, model_s=None, verifier_prefill_s=1.5))[0] == 1   # a host of its own
 
 
 async def test_the_first_request_of_a_burst_is_not_alone_by_its_first_token() -> None:

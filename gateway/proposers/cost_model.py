@@ -132,6 +132,14 @@ class RoundCostModel:
             return True
         return self.choice.could_pay(MODEL, num_tokens)
 
+    def draft_prefill_could_pay(self, num_tokens: int, max_new_tokens: int, target_prefill_s: float) -> bool:
+        """Whether the draft service's prefill of this request's prompt could be repaid by its model rounds (the
+        suffix choice's `prefill_could_pay`: on a host shared with the verifier, not a long document with a short
+        answer). Without a suffix choice, yes."""
+        if self.choice is None:
+            return True
+        return self.choice.prefill_could_pay(num_tokens, max_new_tokens, target_prefill_s)
+
     # ------------------------------------------------------------------ observations
     def drafted_suffix(self, round: SuffixRound | None) -> None:
         """The suffix rule's note of what this round's draft is made of (None: nothing drafted)."""
