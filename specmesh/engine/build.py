@@ -14,6 +14,7 @@ from specmesh.engine.block_manager import BlockManager
 from specmesh.engine.dtype_choice import resolve_dtype
 from specmesh.engine.huge_pages import thp_mode
 from specmesh.engine.int4_linear import int4_weights_to_huge_pages, quantize_linears_int4
+from specmesh.engine.int4_small_calls import calibrate_small_calls
 from specmesh.engine.int8_linear import quantize_linears
 from specmesh.engine.model_runner import ModelRunner, kv_cache_geometry
 from specmesh.engine.paged_attention import PagedKVCache
@@ -83,6 +84,8 @@ def build_engine_parts(config: EngineConfig, head_vocab: int = 0) -> EngineParts
         moved = int4_weights_to_huge_pages(loaded.model)
         log.info("%s: %d MiB of int4 weights in memory advised for huge pages (this host's THP mode: %s)",
                  config.model, moved // 2**20, thp_mode() or "none")
+        log.info("%s: %s", config.model,
+                 calibrate_small_calls(loaded.model, max(config.num_threads, config.num_threads_max)))
     runner = ModelRunner(loaded.model, num_blocks, config.block_size, batch_invariant=batch_invariant,
                          own_forward=own_forward)
     return EngineParts(loaded, runner, BlockManager(num_blocks, config.block_size), max_model_len)

@@ -475,11 +475,25 @@ int sm_set_isa(int wanted) {
     return atomic_load(&isa);
 }
 
+/* Calls of at most `small_rows` rows run on the `small_isa` path (-1: none): int4_linear.calibrate_small_calls
+   sets it where that path measured faster for decode-sized calls (a 2-core Zen 4: the AVX2 path's one stream a tile
+   beat the VNNI path's tile pairs up to 4 rows). Every path gives the same bits, so this changes only the time. */
+static atomic_int small_isa = -1;
+static atomic_int small_rows = 0;
+
+int sm_set_small_calls(int wanted, int max_rows) {
+    if (wanted > sm_set_isa(-1) || max_rows <= 0) wanted = -1;    /* never a path the chosen one does not cover */
+    atomic_store(&small_rows, wanted < 0 ? 0 : max_rows);
+    atomic_store(&small_isa, wanted);
+    return wanted;
+}
+
 /* y [m, n] for output tiles [tile_begin, tile_end) (n a multiple of 8, k of 32). */
 void sm_int4_matmul(const int8_t *xq, const float *row_scale, const float *xsum, int64_t m, int64_t k,
                     const uint8_t *wq, const uint16_t *scales, const uint16_t *mins, const float *bias, int64_t n,
                     int64_t tile_begin, int64_t tile_end, float *y) {
-    const int use = sm_set_isa(-1);
+    const int small = atomic_load(&small_isa);
+    const int use = small >= 0 && m <= atomic_load(&small_rows) ? small : sm_set_isa(-1);
     if (use == ISA_AMX && m >= AMX_MIN_ROWS)
         matmul_amx(xq, row_scale, xsum, m, k, wq, scales, mins, bias, n, tile_begin, tile_end, y);
     else if (use >= ISA_VNNI)

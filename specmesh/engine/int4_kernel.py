@@ -31,6 +31,8 @@ def library() -> ctypes.CDLL:
     lib.sm_int4_linear.restype = None
     lib.sm_set_isa.argtypes = [ctypes.c_int]
     lib.sm_set_isa.restype = ctypes.c_int
+    lib.sm_set_small_calls.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.sm_set_small_calls.restype = ctypes.c_int
     return lib
 
 
@@ -38,6 +40,16 @@ ISAS = ("avx2", "avx512vnni", "amx")      # the kernel's code paths, by the C fi
 
 
 def instruction_set(wanted: str | None = None) -> str:
-    """The kernel's code path in use (the best the CPU has, unless pinned); `wanted` pins one if the CPU has it.
-    Every path gives bit-identical outputs ("amx" runs calls of few rows on the VNNI path)."""
+    """The kernel's code path in use (the best the CPU has, unless pinned); `wanted` pins one if the CPU has it, for
+    calls of every size (int4_small_calls.py's choice for decode-sized ones is cleared). Every path gives
+    bit-identical outputs ("amx" runs calls of few rows on the VNNI path)."""
+    if wanted:                     # a pinned path runs every call (no calibrated path for small ones)
+        library().sm_set_small_calls(-1, 0)
     return ISAS[library().sm_set_isa(ISAS.index(wanted) if wanted else -1)]
+
+
+def set_small_calls(isa: str | None, max_rows: int) -> str | None:
+    """Calls of at most `max_rows` rows run on the `isa` path (None or 0 rows: the chosen path for every call); a
+    path above the chosen one is refused (None returned). Outputs are the same bits either way."""
+    got = library().sm_set_small_calls(ISAS.index(isa) if isa else -1, max_rows)
+    return ISAS[got] if got >= 0 else None
