@@ -4,24 +4,11 @@ tests/test_server_warm_up.py)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from draft_service.server import build_draft
 from draft_service.warmup import WARMUP_DRAFT_TOKENS, WARMUP_SESSION_ID, _verdict
 from specmesh.config import DraftConfig, EngineConfig
 from specmesh.spec.sampling import SamplingParams
-
-SERVING = health_pb2.HealthCheckResponse.SERVING
-
-
-async def _status(addr: str) -> int:
-    async with grpc.aio.insecure_channel(addr) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        return (await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)).status
+from tests.health_probe import SERVING, until_status
 
 
 def test_the_warm_up_verdicts_accept_a_whole_block_then_correct_half_of_one() -> None:
@@ -36,10 +23,7 @@ async def test_a_draft_replica_reports_serving_only_after_its_warm_up_session() 
     server, engine = build_draft(config)
     try:
         addr = f"127.0.0.1:{await server.start('127.0.0.1', 0)}"
-        deadline = time.monotonic() + 60
-        while await _status(addr) != SERVING:
-            assert time.monotonic() < deadline, "never SERVING"
-            await asyncio.sleep(0.02)
+        await until_status(addr, SERVING, timeout_s=60)
         # the moment it says SERVING: the warm-up prefilled and drafted 12 tokens in blocks of 4, and ended
         assert engine.num_steps >= 12 // WARMUP_DRAFT_TOKENS
         assert WARMUP_SESSION_ID not in engine.sessions and engine.block_manager.num_used_blocks == 0

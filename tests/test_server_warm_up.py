@@ -6,26 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from specmesh.rpc.grpc_server import ServiceServer
-
-SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-async def _status(addr: str) -> int:
-    async with grpc.aio.insecure_channel(addr) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        return (await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)).status
-
-
-async def _until_status(addr: str, expected: int, timeout_s: float = 10.0) -> None:
-    for _ in range(int(timeout_s / 0.02)):
-        if await _status(addr) == expected:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"health never {expected}")
+from tests.health_probe import NOT_SERVING, SERVING
+from tests.health_probe import health_status as _status
+from tests.health_probe import until_status as _until_status
 
 
 def _server() -> ServiceServer:

@@ -4,24 +4,11 @@ tests/test_server_warm_up.py)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from specmesh.config import EngineConfig, VerifierConfig
 from specmesh.spec.sampling import SamplingParams
+from tests.health_probe import SERVING, until_status
 from verifier_service.server import build_verifier
 from verifier_service.warmup import WARMUP_SESSION_ID
-
-SERVING = health_pb2.HealthCheckResponse.SERVING
-
-
-async def _status(addr: str) -> int:
-    async with grpc.aio.insecure_channel(addr) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        return (await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)).status
 
 
 async def test_a_replica_reports_serving_only_after_its_warm_up_session() -> None:
@@ -30,10 +17,7 @@ async def test_a_replica_reports_serving_only_after_its_warm_up_session() -> Non
     server, engine = build_verifier(config)
     try:
         addr = f"127.0.0.1:{await server.start('127.0.0.1', 0)}"
-        deadline = time.monotonic() + 60
-        while await _status(addr) != SERVING:
-            assert time.monotonic() < deadline, "never SERVING"
-            await asyncio.sleep(0.02)
+        await until_status(addr, SERVING, timeout_s=60)
         # the moment it says SERVING: the warm-up prefilled and verified (undrafted and drafted rows), and ended
         assert engine.num_steps >= 3
         assert WARMUP_SESSION_ID not in engine.sessions and engine.block_manager.num_used_blocks == 0
