@@ -22,9 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeVar
 
+from gateway.choice_memory import ChoiceMemory
 from gateway.controller_memory import ControllerMemory
 from gateway.proposers.cost_model import CostModelMemory, RoundCostModel
-from gateway.suffix_choice import MODEL, ChoiceMemory
+from gateway.suffix_choice import MODEL
 
 KEEP = 0.5          # weight of the book's evidence per request that ends
 MAX_ROUNDS = 3.0    # a new request starts with at most this many rounds' worth of the book's evidence

@@ -48,12 +48,11 @@ counts what its rows take from the others in its budget, as the adaptive draft l
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 from gateway.adaptive import DraftLengthController, expected_tokens
-from gateway.controller_memory import ControllerMemory
+from gateway.choice_memory import ChoiceMemory
 from gateway.suffix_tree import Proposal
 from gateway.verify_cost import UNKNOWN_COST, VerifyCost, excess_tokens
 
@@ -87,54 +86,6 @@ class _Decayed:
     @property
     def mean(self) -> float:
         return self.total / self.weight if self.weight > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class ChoiceMemory:
-    """What a ProposerChoice learned (its decayed sums), to start later requests from (gateway/learned_priors.py).
-    Sums are (total, weight) pairs; a calibration is (pooled total, pooled weight, accepted per depth, predicted per
-    depth). `rounds`: the decayed number of verified rounds behind them."""
-    rounds: float
-    verify_base: tuple[float, float]
-    verify_slope: float
-    costs: tuple[tuple[str, float, float], ...]
-    calibrations: tuple[tuple[str, float, float, tuple[float, ...], tuple[float, ...]], ...]
-    model: ControllerMemory | None = field(default=None)
-    free_tokens: int = 1
-
-    def scaled(self, factor: float) -> ChoiceMemory:
-        return ChoiceMemory(
-            factor * self.rounds, (factor * self.verify_base[0], factor * self.verify_base[1]), self.verify_slope,
-            tuple((p, factor * t, factor * w) for p, t, w in self.costs),
-            tuple((p, factor * t, factor * w, tuple(factor * a for a in acc), tuple(factor * x for x in pred))
-                  for p, t, w, acc, pred in self.calibrations),
-            self.model.scaled(factor) if self.model else None, self.free_tokens)
-
-    def without_cost(self, proposer: str) -> ChoiceMemory:
-        """The same memory with `proposer`'s round cost unmeasured (gateway/learned_priors.py: exploration)."""
-        return dataclasses.replace(self, costs=tuple(c for c in self.costs if c[0] != proposer))
-
-    def plus(self, newer: ChoiceMemory) -> ChoiceMemory:
-        def merge(a: dict[str, tuple[Any, ...]], b: dict[str, tuple[Any, ...]]) -> dict[str, tuple[Any, ...]]:  # sums
-            out = dict(a)
-            for key, value in b.items():
-                out[key] = value if key not in out else tuple(_add(x, y) for x, y in zip(out[key], value,
-                                                                                          strict=True))
-            return out
-        costs = merge({p: (t, w) for p, t, w in self.costs}, {p: (t, w) for p, t, w in newer.costs})
-        cals = merge({c[0]: c[1:] for c in self.calibrations}, {c[0]: c[1:] for c in newer.calibrations})
-        model = newer.model if self.model is None else self.model if newer.model is None else \
-            self.model.plus(newer.model)
-        return ChoiceMemory(self.rounds + newer.rounds,
-                            (self.verify_base[0] + newer.verify_base[0], self.verify_base[1] + newer.verify_base[1]),
-                            newer.verify_slope, tuple((p, *v) for p, v in costs.items()),
-                            tuple((p, *v) for p, v in cals.items()), model, newer.free_tokens)
-
-
-def _add(x: float | tuple[float, ...], y: float | tuple[float, ...]) -> float | tuple[float, ...]:
-    if isinstance(x, tuple):
-        return tuple(a + b for a, b in zip(x, y, strict=True))   # type: ignore[arg-type]
-    return x + y                                                  # type: ignore[operator]
 
 
 class LoadPricing(Protocol):
@@ -265,8 +216,14 @@ class ProposerChoice:
         target-only rounds, and the draft prefills made for them slowed the verifier's forwards meanwhile."""
         if self.load.load_penalty(0) <= 0 and self.draft_host_share <= 0:   # (no other rows: no contention either)
             return True
+        best_rate, none_rate = self._best_case_rates(proposer, num_tokens)
+        return best_rate > none_rate
+
+    def _best_case_rates(self, proposer: str, num_tokens: int) -> tuple[float, float]:
+        """(rate of a round of `num_tokens` drafts by `proposer`, each accepted at BEST_CASE_ACCEPTANCE; rate of an
+        undrafted round)."""
         best_case = sum(BEST_CASE_ACCEPTANCE ** i for i in range(1, num_tokens + 1))
-        return self.rate(proposer, best_case, num_tokens) > self.rate(NONE, 0.0, 0)
+        return self.rate(proposer, best_case, num_tokens), self.rate(NONE, 0.0, 0)
 
     def prefill_could_pay(self, num_tokens: int, max_new_tokens: int, target_prefill_s: float) -> bool:
         """With the draft on the verifier's cores (`draft_host_share` > 0): whether the draft service's prefill of a
@@ -286,8 +243,7 @@ class ProposerChoice:
             return True
         if num_tokens <= 0:
             return False
-        best_case = sum(BEST_CASE_ACCEPTANCE ** i for i in range(1, num_tokens + 1))
-        model_rate, none_rate = self.rate(MODEL, best_case, num_tokens), self.rate(NONE, 0.0, 0)
+        model_rate, none_rate = self._best_case_rates(MODEL, num_tokens)
         if model_rate <= none_rate or none_rate <= 0:
             return False
         saved_s = max_new_tokens * (1 / none_rate - 1 / model_rate)

@@ -22,12 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.adaptive import DraftLengthController
+from gateway.choice_memory import ChoiceMemory
 from gateway.controller_memory import ControllerMemory
 from gateway.draft_tree import main_chain_len
 from gateway.proposers.base import NO_DRAFT, Draft
 from gateway.request_state import RoundEvent
 from gateway.round_outcomes import classify
-from gateway.suffix_choice import MODEL, ChoiceMemory, ProposerChoice
+from gateway.suffix_choice import MODEL, ProposerChoice
 from gateway.suffix_tree import Proposal, accepted_nodes
 from gateway.verify_cost import UNKNOWN_COST, VerifyCost
 from protos.specmesh.v1 import common_pb2
