@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from bench.common import log, split_csv
+from specmesh.engine import int4_kernel
 from specmesh.engine.cpu_build import AVX2_CFLAGS
 from specmesh.engine.huge_pages import huge_page_copies
 from specmesh.engine.int4_kernel import ISAS
@@ -40,11 +41,7 @@ Layer = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]   # packed, sc
 
 def build(source: Path, out: Path, isa: str) -> ctypes.CDLL:
     subprocess.run(["gcc", *AVX2_CFLAGS, f"-I{SOURCE.parent}", str(source), "-o", str(out), "-lm"], check=True)
-    lib = ctypes.CDLL(str(out))
-    lib.sm_int4_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-    lib.sm_set_isa.argtypes = [ctypes.c_int]
-    lib.sm_set_isa.restype = ctypes.c_int
+    lib = int4_kernel.declare(ctypes.CDLL(str(out)))
     if isa:
         got = lib.sm_set_isa(ISAS.index(isa))
         if ISAS[got] != isa:

@@ -475,7 +475,7 @@ int sm_set_isa(int wanted) {
     return atomic_load(&isa);
 }
 
-/* Calls of at most `small_rows` rows run on the `small_isa` path (-1: none): int4_linear.calibrate_small_calls
+/* Calls of at most `small_rows` rows run on the `small_isa` path (-1: none): int4_small_calls.calibrate_small_calls
    sets it where that path measured faster for decode-sized calls (a 2-core Zen 4: the AVX2 path's one stream a tile
    beat the VNNI path's tile pairs up to 4 rows). Every path gives the same bits, so this changes only the time. */
 static atomic_int small_isa = -1;

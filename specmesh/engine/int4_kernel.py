@@ -26,7 +26,12 @@ __all__ = ["GROUP", "ISAS", "LANES", "KernelUnavailable", "instruction_set", "li
 @functools.cache
 def library() -> ctypes.CDLL:
     """The loaded kernel, built on first use. Raises KernelUnavailable with the reason."""
-    lib = load(SOURCE)
+    return declare(load(SOURCE))
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` (this kernel, or a build of another revision of its source: bench/int4_prefetch.py) with the argument
+    and result types of the functions callers use."""
     lib.sm_int4_linear.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _P, ctypes.c_int]
     lib.sm_int4_linear.restype = None
     lib.sm_set_isa.argtypes = [ctypes.c_int]
