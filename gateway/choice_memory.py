@@ -31,6 +31,12 @@ class ChoiceMemory:
                   for p, t, w, acc, pred in self.calibrations),
             self.model.scaled(factor) if self.model else None, self.free_tokens)
 
+    def costs_only(self) -> ChoiceMemory:
+        """The same costs (the verify line, each proposer's round cost) without what was learned of acceptance (the
+        suffix calibrations, the model's draft-length sums): costs are this deployment's, the same whether a request
+        samples or not; acceptance is not (gateway/learned_priors.py)."""
+        return dataclasses.replace(self, calibrations=(), model=None)
+
     def without_cost(self, proposer: str) -> ChoiceMemory:
         """The same memory with `proposer`'s round cost unmeasured (gateway/learned_priors.py: exploration)."""
         return dataclasses.replace(self, costs=tuple(c for c in self.costs if c[0] != proposer))

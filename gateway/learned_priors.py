@@ -13,6 +13,10 @@ gateway keeps books of the decayed sums of the requests that ended, one per tena
 and a new request starts from its tenant's book, or the gateway's while its tenant has none, scaled to at most
 `max_rounds` rounds of evidence, so its own rounds outweigh the prior within a few rounds (its content may differ
 from the last requests'). Costs are the same for every request on this deployment; acceptance is only a head start.
+So the first sampled request after greedy ones (a gateway warmed up greedy, then sampled traffic) starts its proposer
+choice from the greedy book's costs, without their acceptance: with the draft model on the verifier's 2 cores it
+otherwise made the draft prefill and model trials a measured cost rules out (guidellm's first request at
+temperature 1: 70 ms a token against the others' 43-47).
 The books hold counts and timings, never token ids. Nothing here is a tensor or a clock: plain floats, dicts, used
 from the event loop only.
 """
@@ -52,6 +56,10 @@ class PriorKey:
     def gateway_wide(self) -> PriorKey:
         return PriorKey(GATEWAY, self.sampled)
 
+    @property
+    def other_sampling(self) -> PriorKey:
+        return PriorKey(self.tenant, not self.sampled)
+
 
 GATEWAY = "*"            # the book of every tenant's requests (not a tenant name: tenants are validated tokens)
 
@@ -66,11 +74,16 @@ class LearnedPriors:
         self._num_alone = 0              # requests started with no other running (exploration counts these)
 
     def start(self, key: PriorKey, model: RoundCostModel, alone: bool = True) -> None:
-        """Seeds a new request's cost model from its tenant's book, else the gateway's (neither: it starts from
-        its own priors); of the requests that start `alone` (no other request running at the gateway), every
-        EXPLORE_EVERY-th without the draft model's cost."""
+        """Seeds a new request's cost model from its tenant's book, else the gateway's; with neither for its kind
+        (greedy or sampled), its proposer choice starts from the other kind's costs without their acceptance (a
+        sampled request after greedy ones knows what a draft model round costs here, and so does not make the draft
+        prefill and trials that one measured would rule out); else from its own priors. Of the requests that start
+        `alone` (no other request running at the gateway), every EXPLORE_EVERY-th without the draft model's cost."""
         self._num_alone += alone
         choice = _book(self._choices, key)
+        if choice is None:                  # costs are the deployment's: the other sampling kind's, acceptance apart
+            other = _book(self._choices, key.other_sampling)
+            choice = other.costs_only() if other is not None else None
         if choice is not None and alone and self._num_alone % EXPLORE_EVERY == 0:
             choice = choice.without_cost(MODEL)
         model.remember(CostModelMemory(_book(self._controllers, key), choice), self.max_rounds)

@@ -222,3 +222,33 @@ def test_every_sixteenth_request_starts_without_the_model_cost_so_a_locked_out_m
         priors.start(GREEDY, RoundCostModel(choice=choice))
         alone_again.append(choice.could_pay(MODEL, 4))
     assert [i for i, t in enumerate(alone_again, start=1) if t] == [EXPLORE_EVERY]
+
+
+def test_a_sampled_request_after_greedy_ones_starts_from_their_costs_but_not_their_acceptance() -> None:
+    """Costs are the deployment's: a gateway warmed up greedy knows a draft model round cannot pay on the verifier's
+    cores, and its first sampled request must not make the draft prefill and trials to learn it again; how often
+    drafts are accepted differs between greedy and sampled requests, so that stays the sampled request's own."""
+    greedy = ProposerChoice(draft_host_share=0.5)
+    proposal = Proposal([5, 6, 7, 8], [-1, 0, 1, 2], [0.9, 0.8, 0.7, 0.6], 3)
+    for _ in range(20):
+        greedy.observe_cost(MODEL, 0.3)
+        greedy.observe_verify(0, 0.1, VerifyCost(0.25))
+        greedy.observe_suffix(LOCAL, proposal, [0, 1, 2, 3])            # greedy: every suffix draft accepted
+    priors = LearnedPriors()
+    priors.finish(GREEDY, RoundCostModel(choice=greedy))
+    sampled_key = PriorKey("", sampled=True)
+    fresh, sampled = ProposerChoice(draft_host_share=0.5), ProposerChoice(draft_host_share=0.5)
+    priors.start(sampled_key, RoundCostModel(choice=sampled))
+    assert fresh.could_pay(MODEL, 4) and fresh.prefill_could_pay(4, 64, 1.3)      # unmeasured: free
+    assert sampled.cost_s(MODEL, 4) == pytest.approx(0.3)
+    assert sampled.verify_s(0) == pytest.approx(greedy.verify_s(0))
+    assert not sampled.could_pay(MODEL, 4) and not sampled.prefill_could_pay(4, 64, 1.3)
+    assert sampled.expected_suffix(LOCAL, proposal) == pytest.approx(fresh.expected_suffix(LOCAL, proposal))
+    # A sampled request's own book, once there, is the one a sampled request starts from.
+    for _ in range(20):
+        sampled.observe_cost(MODEL, 0.01)
+        sampled.observe_verify(0, 0.1, VerifyCost(0.25))
+    priors.finish(sampled_key, RoundCostModel(choice=sampled))
+    later = ProposerChoice(draft_host_share=0.5)
+    priors.start(sampled_key, RoundCostModel(choice=later))
+    assert later.cost_s(MODEL, 4) < 0.3
