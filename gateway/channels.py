@@ -17,6 +17,11 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2000),
     ("grpc.keepalive_time_ms", 30_000),
+    # Each channel its own connections: by default gRPC shares them across every channel to the same address in
+    # the process, so a new channel to a service restarted on that address (a replica found again, a gateway
+    # built after a crash) inherited the dead connection's reconnect backoff and failed its first calls with
+    # "Connection refused" while the service was up.
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 
