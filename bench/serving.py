@@ -229,7 +229,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     problems = check_exact(rows, compare=args.cache == "shared")
     print_table(rows)
     write_report(args, meta, traffic, rows, peer, problems, time.perf_counter() - started)
-    return 1 if problems else 0
+    return 1 if specmesh_problems(problems) else 0
+
+
+def specmesh_problems(problems: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The problems that fail the run: specmesh's errors and mismatches. The peer's errors are reported (table,
+    JSON) but are the peer's (llama-server -np 4 dropped a connection at 0.2 req/s once)."""
+    return [p for p in problems if p["config"] != PEER]
 
 
 def write_report(args: argparse.Namespace, meta: dict[str, Any], traffic: list[TrafficRequest],

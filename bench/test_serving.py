@@ -128,3 +128,14 @@ async def test_a_tiny_run_reports_every_field(tokenizer, tmp_path: Path, monkeyp
         assert row["summary"]["throughput_tok_s"] > 0 and row["summary"]["ttft_p99_s"] >= row["summary"]["ttft_p50_s"]
         assert len(row["requests"]) == 4 and all(q["completion_tokens"] == q["max_tokens"] for q in row["requests"])
 
+
+
+def test_only_specmesh_s_problems_fail_the_run() -> None:
+    """The peer's errors are in the report; the exit code says whether specmesh erred or changed its output."""
+    def row(config: str, error: str = "") -> dict[str, object]:
+        return {"rate": 0.2, "config": config,
+                "results": [StreamResult("r0-chat", "chat", config, 0.0, 4, error=error)]}
+    peer_failed = serving.check_exact([row("target"), row(serving.PEER, "ServerDisconnectedError")], compare=False)
+    assert [p["config"] for p in peer_failed] == [serving.PEER] and serving.specmesh_problems(peer_failed) == []
+    ours_failed = serving.check_exact([row("spec", "UNAVAILABLE: verifier: gone"), row(serving.PEER)], compare=False)
+    assert [p["config"] for p in serving.specmesh_problems(ours_failed)] == ["spec"]
