@@ -129,7 +129,6 @@ async def test_a_tiny_run_reports_every_field(tokenizer, tmp_path: Path, monkeyp
         assert len(row["requests"]) == 4 and all(q["completion_tokens"] == q["max_tokens"] for q in row["requests"])
 
 
-
 def test_only_specmesh_s_problems_fail_the_run() -> None:
     """The peer's errors are in the report; the exit code says whether specmesh erred or changed its output."""
     def row(config: str, error: str = "") -> dict[str, object]:
