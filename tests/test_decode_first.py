@@ -12,7 +12,7 @@ from specmesh.engine.prefill_wait import PrefillClock
 from specmesh.engine.scheduled import ForwardRequest, ScheduledItem, SeqState
 from specmesh.engine.scheduler import Scheduler
 from specmesh.engine.step_budget import StepBudget, check_step_budget
-from specmesh.engine.step_cost import StepCost, attention_pairs
+from specmesh.engine.step_cost import StepCost, attention_pairs, monotone_points
 from tests.test_scheduler import new_seq, no_idle, run_forward, verify_request
 
 
@@ -214,6 +214,34 @@ def test_step_cost_follows_recent_steps() -> None:
     for _ in range(100):
         cost.observe(8, 1, 0.2)
     assert cost.seconds(8, 1) == pytest.approx(0.2, rel=0.01)
+
+
+def test_one_cold_step_does_not_price_every_larger_step_for_the_rest_of_the_run() -> None:
+    """A stack's first 3-token verify ran cold (83 ms beside a draft warm-up); then the engine ran 1-token steps and
+    5-token steps (a decode beside 4 prompt tokens) at their real costs. The 5-token steps are priced at what they
+    cost, not at the cold step's 83 ms (bench.stall: every step beside a long prompt held to the 4-token floor)."""
+    cost = StepCost()
+    cost.observe(3, 2, 0.083)
+    for _ in range(70):
+        cost.observe(1, 2, 0.035)
+    for _ in range(30):
+        cost.observe(5, 2, 0.046)
+    assert cost.seconds(5, 2) == pytest.approx(0.046, rel=0.02)
+    assert cost.seconds(3, 2) <= cost.seconds(5, 2)
+    sizes = [cost.seconds(n, 2) for n in range(1, 64)]
+    assert sizes == sorted(sizes)
+
+
+def test_monotone_points_pool_violators_by_weight() -> None:
+    # A light, dear bucket between two heavy ones: it takes (nearly) the heavier neighbour's value.
+    fitted = monotone_points([(1.0, 0.035, 10.0), (3.0, 0.083, 0.01), (5.0, 0.046, 10.0), (12.0, 0.07, 5.0)])
+    assert [n for n, _ in fitted] == [1.0, 3.0, 5.0, 12.0]
+    values = [t for _, t in fitted]
+    assert values == sorted(values)
+    assert values[1] == values[2] == pytest.approx((0.083 * 0.01 + 0.046 * 10) / 10.01)
+    assert values[0] == 0.035 and values[3] == 0.07
+    # Equal weights: the mean of the pool; several violators in a row pool together.
+    assert [t for _, t in monotone_points([(1, 3.0, 1.0), (2, 2.0, 1.0), (3, 1.0, 1.0)])] == [2.0, 2.0, 2.0]
 
 
 def test_prefill_clock_counts_only_the_overlap_with_prefill_forwards() -> None:
