@@ -3,6 +3,8 @@ one mapping, the advice given where the host honours it, and a model's outputs u
 
 from __future__ import annotations
 
+import mmap
+import os
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,27 @@ def test_zeros_are_zero_writable_and_disjoint() -> None:
     assert a.shape == (2, 3, 4) and b.shape == (5,) and not a.any() and not b.any()
     a.fill_(1.0)
     assert not b.any()
+
+
+def test_touched_zeros_are_resident_at_once() -> None:
+    """A KV pool is backed when it is made, not page by page as a long prompt first writes its blocks."""
+    def resident(t: torch.Tensor) -> int:
+        """Pages of `t` backed by memory (/proc/self/pagemap's present bit)."""
+        page = mmap.PAGESIZE
+        start = t.data_ptr() // page * page
+        length = -(-(t.data_ptr() + t.numel() * t.element_size() - start) // page) * page
+        with open(f"/proc/{os.getpid()}/pagemap", "rb") as pagemap:
+            pagemap.seek(start // page * 8)
+            entries = pagemap.read(length // page * 8)
+        return sum(1 for i in range(0, len(entries), 8) if int.from_bytes(entries[i:i + 8], "little") >> 63)
+
+    if not hasattr(mmap, "MADV_HUGEPAGE") or not os.path.exists("/proc/self/pagemap"):
+        pytest.skip("needs Linux")
+    lazy, = huge_page_zeros([(4 << 20,)], torch.uint8)
+    touched, = huge_page_zeros([(4 << 20,)], torch.uint8, touch=True)
+    assert resident(lazy) == 0
+    assert resident(touched) == (4 << 20) // mmap.PAGESIZE
+    assert not touched.any()
 
 
 def test_the_views_outlive_every_other_reference() -> None:

@@ -21,7 +21,8 @@ from specmesh.config import c_compiler_setting, cache_dir_setting
 
 log = logging.getLogger(__name__)
 
-AVX2_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-fno-fast-math", "-std=c11")
+# _GNU_SOURCE: cpu_pool.h keeps its workers off the caller's core (sched_getcpu, sched_setaffinity)
+AVX2_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-fno-fast-math", "-std=c11", "-D_GNU_SOURCE")
 
 
 class KernelUnavailable(RuntimeError):

@@ -13,7 +13,15 @@
    The cursor packs (job generation << 32 | next chunk). A chunk is claimed by a compare-and-swap of the cursor, so a
    worker that wakes late (its job already done, maybe the next one posted) claims nothing of a job it has not read:
    the swap fails once the generation moved on. Jobs alternate between two slots; slot g % 2 is rewritten only for
-   job g + 2, which is posted after every chunk of job g has been done, so a claimed chunk's slot stays intact. */
+   job g + 2, which is posted after every chunk of job g has been done, so a claimed chunk's slot stays intact.
+
+   Workers keep off the caller's core. The caller posts its core with each job; a worker that finds itself on it
+   narrows its own affinity to the process's other cores (and widens it back to all but the caller's new core when
+   the caller moves). Without that the kernel left both on one core for tens of milliseconds: on a 2-core host, once
+   another task (kdamond) took the worker's core, the worker was moved to the caller's core while the caller slept,
+   the caller woke beside it, and the two shared that core for 40 ms with the other one idle, until the periodic
+   load balancer split them (a sched_switch trace of bench.stall: a decode step beside a long prompt 106 ms against
+   its 86 ms bound, the longest gap of the stream). Only the worker's own affinity changes, only when it stacks. */
 
 #ifndef SPECMESH_CPU_POOL_H
 #define SPECMESH_CPU_POOL_H
@@ -43,6 +51,18 @@ static atomic_ullong pool_generation;     /* the latest job posted; workers wake
 static atomic_ullong pool_cursor;         /* (generation << 32) | next unclaimed chunk of that job */
 static atomic_llong pool_chunks_done;     /* chunks of the current job finished */
 static int pool_num_workers;     /* started so far; each serves every job with index < the job's thread count */
+static atomic_int pool_caller_cpu = -1;   /* the core the caller ran on when it posted the current job */
+static cpu_set_t pool_cpus;               /* the process's cores when the first worker started */
+
+/* A worker on the caller's core moves to the process's other cores (see above); a no-op where there is no other. */
+static void pool_keep_off_caller_core(void) {
+    const int caller = atomic_load_explicit(&pool_caller_cpu, memory_order_relaxed);
+    if (caller < 0 || sched_getcpu() != caller || CPU_COUNT(&pool_cpus) < 2 || !CPU_ISSET(caller, &pool_cpus))
+        return;
+    cpu_set_t others = pool_cpus;
+    CPU_CLR(caller, &others);
+    sched_setaffinity(0, sizeof others, &others);
+}
 static unsigned long long pool_start_generation[POOL_MAX_THREADS];   /* the generation before a worker's first job */
 
 /* Claims and runs chunks of job `gen` until none is left or a newer job replaced it. */
@@ -79,8 +99,10 @@ static void *pool_worker(void *arg) {
             pthread_mutex_unlock(&pool_wake_lock);
         }
         seen = now;
-        if (index < pool_jobs[now & 1].threads)   /* a stale read only skips a job or tries a claim that fails */
+        if (index < pool_jobs[now & 1].threads) {   /* a stale read only skips a job or tries a claim that fails */
+            pool_keep_off_caller_core();
             pool_run_chunks(now, index);
+        }
     }
     return NULL;
 }
@@ -105,6 +127,7 @@ static void pool_run_own(int threads, int64_t num_chunks, pool_chunk_fn fn, void
         for (int64_t chunk = 0; chunk < num_chunks; chunk++) fn(ctx, chunk, 0);
         return;
     }
+    if (pool_num_workers == 0 && sched_getaffinity(0, sizeof pool_cpus, &pool_cpus) != 0) CPU_ZERO(&pool_cpus);
     while (pool_num_workers < threads - 1) {
         pthread_t t;
         pool_start_generation[pool_num_workers + 1] = atomic_load(&pool_generation);
@@ -117,6 +140,7 @@ static void pool_run_own(int threads, int64_t num_chunks, pool_chunk_fn fn, void
        cursor below is published */
     const unsigned long long gen = atomic_load_explicit(&pool_generation, memory_order_relaxed) + 1;
     pool_jobs[gen & 1] = (pool_job_t){fn, ctx, num_chunks, threads};
+    atomic_store_explicit(&pool_caller_cpu, sched_getcpu(), memory_order_relaxed);
     atomic_store_explicit(&pool_chunks_done, 0, memory_order_relaxed);
     atomic_store_explicit(&pool_cursor, (gen & 0xFFFFFFFFull) << 32, memory_order_release);
     pthread_mutex_lock(&pool_wake_lock);

@@ -185,18 +185,26 @@ class Scheduler(Generic[R]):
         streams = bool(decodes) or self._streams_waiting(idle_seqs)      # a decode waits or may come any time
         in_order = bool(prefills) and (self._oldest_blocked or self.max_num_seqs == 1 and plan.queue[0] is prefills[0])
         if in_order:                     # KV by age (or one slot): oldest first, every item within the bound
-            bound = self.step_budget.bound(0, streams, 0, plan.queue[0].seq.num_computed)
+            bound = self.step_budget.bound(0, streams, 0, self._last_floor_pos(plan.queue[0]))
             self._fill(plan, plan.queue, bound, idle_seqs)
         else:
             self._fill_decodes(plan, decodes, prefills, idle_seqs)
             bound = self.step_budget.bound(plan.tokens(decode=True), streams, plan.pairs(decode=True),
-                                           prefills[0].seq.num_computed if prefills else 0)
+                                           self._last_floor_pos(prefills[0]) if prefills else 0)
             self._fill(plan, prefills, bound, idle_seqs)
             self._fill(plan, decodes, bound, idle_seqs)       # decodes deferred by the prefill's reserve
         self._oldest_blocked = bool(prefills) and plan.stop == plan.queue.index(prefills[0])
         self.last_step = StepStats(plan.tokens(decode=True), plan.tokens(decode=False), bound,
                                    plan.stop is not None, in_order)
         return plan.batch, plan.failed
+
+    def _last_floor_pos(self, req: R) -> int:
+        """Where the last min_prefill_tokens of `req`'s uncomputed tokens start. The step that carries them beside
+        the decodes is the dearest of its prefill (its attention spans the whole prompt), and with it the stream's
+        longest gap; the bound lets every earlier step cost as much, so their prompt tokens (cheaper: less to
+        attend to) fill that time instead of stopping at factor x the decodes alone."""
+        end = len(req.seq.token_ids) + len(req.extra_ids)
+        return max(req.seq.num_computed, end - self.step_budget.min_prefill_tokens)
 
     def _fill_decodes(self, plan: _Plan[R], decodes: list[R], prefills: list[R],
                       idle_seqs: Callable[[], Iterable[SeqState]]) -> None:
