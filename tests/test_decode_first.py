@@ -1,6 +1,6 @@
 """Steps that protect running streams, on plain ints (no torch): decodes before prefill, prefill chunks sized by a
-cost function of the step's tokens (StepBudget), progress for long prompts, KV granted by age; and the measured
-step-cost model (StepCost) and the prefill-wait clock the engine feeds them."""
+cost function of the step's tokens (StepBudget), progress for long prompts, KV granted by age; and the prefill-wait
+clock the engine feeds. The measured step-cost model itself: tests/test_step_cost.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from specmesh.engine.prefill_wait import PrefillClock
 from specmesh.engine.scheduled import ForwardRequest, ScheduledItem, SeqState
 from specmesh.engine.scheduler import Scheduler
 from specmesh.engine.step_budget import StepBudget, check_step_budget
-from specmesh.engine.step_cost import StepCost, attention_pairs, monotone_points
+from specmesh.engine.step_cost import attention_pairs
 from tests.test_scheduler import new_seq, no_idle, run_forward, verify_request
 
 
@@ -190,60 +190,6 @@ def test_step_budget_settings_are_checked_and_match_the_config_defaults() -> Non
         check_step_budget(2.0, 0)
 
 
-# --------------------------------------------------------------------------------- the measured cost of a step
-def test_step_cost_interpolates_measured_sizes_and_stays_monotone() -> None:
-    cost = StepCost()
-    assert cost.seconds(1, 1) is None
-    for _ in range(3):
-        cost.observe(1, 1, 0.1)
-        cost.observe(64, 1, 0.74)
-    assert cost.seconds(1, 1) == pytest.approx(0.1)
-    assert cost.seconds(64, 1) == pytest.approx(0.74)
-    assert cost.seconds(32, 1) == pytest.approx(0.1 + 0.64 * 31 / 63)          # between the two points
-    assert cost.seconds(128, 1) == pytest.approx(0.74 * 2)                     # beyond: in proportion to n
-    cost.observe(16, 1, 0.05)                                                  # noise: cheaper than 1 token
-    assert cost.seconds(16, 1) >= cost.seconds(1, 1)
-    sizes = [cost.seconds(n, 1) for n in range(1, 300)]
-    assert sizes == sorted(sizes)
-    assert cost.seconds(1, 2) is None                                          # per thread count
-
-
-def test_step_cost_follows_recent_steps() -> None:
-    cost = StepCost()
-    cost.observe(8, 1, 1.0)
-    for _ in range(100):
-        cost.observe(8, 1, 0.2)
-    assert cost.seconds(8, 1) == pytest.approx(0.2, rel=0.01)
-
-
-def test_one_cold_step_does_not_price_every_larger_step_for_the_rest_of_the_run() -> None:
-    """A stack's first 3-token verify ran cold (83 ms beside a draft warm-up); then the engine ran 1-token steps and
-    5-token steps (a decode beside 4 prompt tokens) at their real costs. The 5-token steps are priced at what they
-    cost, not at the cold step's 83 ms (bench.stall: every step beside a long prompt held to the 4-token floor)."""
-    cost = StepCost()
-    cost.observe(3, 2, 0.083)
-    for _ in range(70):
-        cost.observe(1, 2, 0.035)
-    for _ in range(30):
-        cost.observe(5, 2, 0.046)
-    assert cost.seconds(5, 2) == pytest.approx(0.046, rel=0.02)
-    assert cost.seconds(3, 2) <= cost.seconds(5, 2)
-    sizes = [cost.seconds(n, 2) for n in range(1, 64)]
-    assert sizes == sorted(sizes)
-
-
-def test_monotone_points_pool_violators_by_weight() -> None:
-    # A light, dear bucket between two heavy ones: it takes (nearly) the heavier neighbour's value.
-    fitted = monotone_points([(1.0, 0.035, 10.0), (3.0, 0.083, 0.01), (5.0, 0.046, 10.0), (12.0, 0.07, 5.0)])
-    assert [n for n, _ in fitted] == [1.0, 3.0, 5.0, 12.0]
-    values = [t for _, t in fitted]
-    assert values == sorted(values)
-    assert values[1] == values[2] == pytest.approx((0.083 * 0.01 + 0.046 * 10) / 10.01)
-    assert values[0] == 0.035 and values[3] == 0.07
-    # Equal weights: the mean of the pool; several violators in a row pool together.
-    assert [t for _, t in monotone_points([(1, 3.0, 1.0), (2, 2.0, 1.0), (3, 1.0, 1.0)])] == [2.0, 2.0, 2.0]
-
-
 def test_prefill_clock_counts_only_the_overlap_with_prefill_forwards() -> None:
     clock = PrefillClock()
     clock.record(0.0, 1.0)
@@ -340,36 +286,6 @@ def test_a_catch_up_split_by_a_full_step_stays_a_decode() -> None:
 
 
 # ------------------------------------------------------------------ attention pairs: late chunks of long prompts
-def test_step_cost_separates_what_an_attention_pair_costs_from_what_a_token_costs() -> None:
-    """Steps of the same sizes at different positions of a long prompt (t = 50 ms + 10 ms a token + 2 us a pair):
-    the fit recovers the pair's price, and predicts a step early and late in the prompt."""
-    def truth(n: int, pairs: int) -> float:
-        return 0.05 + 0.01 * n + 2e-6 * pairs
-
-    cost = StepCost()
-    assert cost.pair_seconds(1) == 0.0
-    for start in range(0, 4096, 256):
-        for n in (1, 16, 100, 300, 511):
-            pairs = attention_pairs(start, n)
-            cost.observe(n, 1, truth(n, pairs), pairs)
-    assert cost.pair_seconds(1) == pytest.approx(2e-6, rel=1e-3)
-    for start, n in ((0, 100), (3500, 300), (40, 16)):
-        pairs = attention_pairs(start, n)
-        predicted = cost.seconds(n, 1) + cost.pair_seconds(1) * pairs
-        assert predicted == pytest.approx(truth(n, pairs), rel=1e-3)
-
-
-def test_step_cost_does_not_invent_a_price_for_pairs() -> None:
-    """Steps whose cost is their tokens' alone, though their pairs grow with the square of their size (every one
-    from position 0) and with position (decodes late in a context): pairs are priced at nothing."""
-    cost = StepCost()
-    for start in (0, 0, 0, 500, 2000):
-        for n in (1, 8, 12, 64, 100, 300, 500):
-            cost.observe(n, 1, 0.1 + 0.01 * n, attention_pairs(start, n))
-    assert cost.pair_seconds(1) == pytest.approx(0.0, abs=1e-12)
-    assert cost.seconds(64, 1) == pytest.approx(0.1 + 0.64)
-
-
 def test_a_chunk_late_in_a_long_prompt_is_shorter_and_every_step_keeps_its_bound() -> None:
     """A stream decoding beside a 600-token prompt, pairs priced: each step's cost (tokens and pairs) stays within
     its bound, the prompt progresses every step, and its chunks shrink as they attend to more positions."""
@@ -419,3 +335,24 @@ def test_a_long_catch_up_beside_an_idle_session_runs_whole(max_decode_tokens: in
         assert steps <= 100
     assert steps == expect_steps                 # 2 x 0.11 s fits 12 tokens a step: 200 tokens take 17 steps
     assert catch_up.chunked == (max_decode_tokens < 200)
+
+
+def test_every_step_beside_a_long_prompt_may_cost_what_its_last_floor_step_will() -> None:
+    """Pairs priced dear: the floor's 4 tokens at the end of a 600-token prompt cost more than 2 decodes alone. That
+    step comes anyway (and sets the stream's longest gap), so the first step is bounded by it too: the early chunk,
+    cheap in pairs, is longer than 2 decodes' bound would have let it be."""
+    budget = StepBudget(linear_cost, factor=2.0, min_prefill_tokens=4, pair_cost=lambda num_tokens: 1e-4)
+    scheduler = make(budget=128, num_blocks=512, step_budget=budget)
+    stream = decoding(scheduler, 0)
+    prompt = new_seq(1, 600, first=5000)
+    scheduler.enqueue(verify_request(prompt, 0))
+    scheduler.enqueue(verify_request(stream, 1))
+    batch = scheduler.schedule(no_idle)[0]
+    decode = next(i for i in batch if i.request.seq is stream)           # its pending token and 1 draft
+    d, decode_pairs = len(decode.token_ids), decode.num_pairs
+    last_floor = budget.seconds(d + 4, decode_pairs + attention_pairs(600 - 4, 4))
+    decodes_alone = budget.bound(d, True, decode_pairs, 0)
+    assert last_floor is not None and decodes_alone is not None and last_floor > decodes_alone
+    assert scheduler.last_step.bound_s == pytest.approx(last_floor)
+    chunk = len(next(i for i in batch if i.request.seq is prompt).token_ids)
+    assert chunk > budget.room(d, decodes_alone, 128 - d, decode_pairs, 0) >= 4

@@ -8,8 +8,10 @@ whose decodes are d tokens with P_d pairs may cost at most
 
     bound(d) = max(factor * (cost(max(d, 1)) + c * P_d), cost(d + m) + c * (P_d + P_m))
 
-that is `factor` times the decodes alone, but always room for m = `min_prefill_tokens` prefill tokens (P_m: their
-pairs at the oldest prompt's next position), so a long prompt progresses every step. The bound applies when the step
+that is `factor` times the decodes alone, but always room for m = `min_prefill_tokens` prefill tokens, so a long
+prompt progresses every step. P_m are their pairs at the oldest prompt's *last* position (the scheduler passes
+it): that floor step comes anyway, attending to the whole prompt, and sets the streams' longest gap; every earlier
+step may cost as much and carry more of the prompt. The bound applies when the step
 carries decodes, and also to a step without any while a stream is between two requests (an idle sequence that holds
 KV): its next verify may arrive during this step and then waits for it, so the step is sized like one that carries a
 one-token decode. With nobody decoding, prefill takes the whole token budget (`max_num_batched_tokens`), as does
@@ -68,8 +70,8 @@ class StepBudget:
 
     def bound(self, num_decode_tokens: int, streams_waiting: bool, num_decode_pairs: int = 0,
               prefill_pos: int = 0) -> float | None:
-        """The most seconds a step with these decode tokens (and their attention pairs) may cost, a prefill's next
-        chunk starting at position `prefill_pos`; None: no bound (token budget only)."""
+        """The most seconds a step with these decode tokens (and their attention pairs) may cost, the floor's
+        min_prefill_tokens priced from position `prefill_pos`; None: no bound (token budget only)."""
         if self.cost is None or (num_decode_tokens == 0 and not streams_waiting):
             return None
         m = self.min_prefill_tokens
