@@ -49,9 +49,9 @@ class PagedKVCache:
                  dtype: torch.dtype) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # One mapping advised for huge pages (huge_pages.py): a long context's decode reads its KV every layer. Backed
-        # whole at start: backed as blocks were first used instead, a long prompt's step that reached fresh 2 MiB
-        # pages of every layer's keys and values waited for the kernel to zero (and compact memory for) ~56 of them,
-        # 20-80 ms more than its bound (bench.stall: a stream's longest gap 3.7-6.1x its median, not 2.6-3x).
+        # whole at start: backed as blocks were first used instead, a step whose blocks reached fresh 2 MiB pages of
+        # every layer's keys and values waited for the kernel to zero (and compact memory for) 56 of them, ~250 ms
+        # on a 2-core Zen 4 (THP defrag "madvise"), a stall for every stream in that step.
         caches = huge_page_zeros([shape] * (2 * num_layers), dtype, touch=True)
         self.key_caches, self.value_caches = caches[0::2], caches[1::2]
         self.num_blocks = num_blocks
