@@ -169,51 +169,31 @@ static inline __attribute__((always_inline)) void values_block(
    and the value pass takes 32 dims per chunk (each lane one dim's chain over the keys, in key order). */
 #define WIDE_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512dq,avx512vl")))
 
-static WIDE_TARGET void score_keys_pair(const float *q0, const float *q1, const float *key_cache, const int32_t *slots,
-                                        int m, int64_t kv_stride, int64_t d, float scale, float *scores0,
-                                        float *scores1) {
-    const float *rows[SCORE_KEYS];
-    __m512 acc[SCORE_KEYS];
-    key_rows(key_cache, slots, m, kv_stride, rows);
-    for (int k = 0; k < SCORE_KEYS; k++) acc[k] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; i += 8) {
-        const __m512 qv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(q0 + i)), _mm256_loadu_ps(q1 + i),
-                                             1);
-        for (int k = 0; k < SCORE_KEYS; k++)
-            acc[k] = _mm512_fmadd_ps(qv, _mm512_broadcast_f32x8(_mm256_loadu_ps(rows[k] + i)), acc[k]);
-    }
-    __m256 low[SCORE_KEYS], high[SCORE_KEYS];
-    for (int k = 0; k < SCORE_KEYS; k++) {
-        low[k] = _mm512_castps512_ps256(acc[k]);
-        high[k] = _mm512_extractf32x8_ps(acc[k], 1);
-    }
-    finish_scores(low, m, scale, scores0);
-    finish_scores(high, m, scale, scores1);
-}
-
-/* score_keys_pair for three head pairs at once (six consecutive query heads of one KV head, q the first's row, head
-   h's scores at scores + h * probs_stride): each key's 8 floats are broadcast once for the three pairs, not once a
-   pair, and the call's overhead is paid once. Every accumulator runs the chain of score_keys_pair in the same order,
-   so the bits are the same (on a 2-core Zen 4, the broadcasts and per-call work had made the score pass 1.6x the
-   time of the value pass, with the same arithmetic). 24 accumulators, 3 query vectors and a key: 28 registers. */
-static WIDE_TARGET void score_keys_pairs3(const float *q, int64_t d, const float *key_cache, const int32_t *slots,
-                                          int m, int64_t kv_stride, float scale, float *scores, int64_t probs_stride) {
+/* Scores of `num_pairs` (1 or 3) pairs of consecutive query heads of one KV head for the m keys slots[0 .. m) (q the
+   first head's row, head h's at q + h * d; its scores at scores + h * probs_stride): per pair, lanes 0-7 the first
+   head's FMA chain for a key and lanes 8-15 the second's, each key's 8 floats broadcast once for every pair. Three
+   pairs (six query heads, 24 accumulators, 3 query vectors and a key: 28 registers) pay the broadcasts and the call
+   once for the six: on a 2-core Zen 4 the score pass, one pair a call, had taken 1.6x the value pass's time for the
+   same arithmetic. A pair's chains are the same whichever count it is called with, so are its bits. */
+static inline __attribute__((always_inline)) WIDE_TARGET void score_key_pairs(
+        const int num_pairs, const float *q, int64_t d, const float *key_cache, const int32_t *slots, int m,
+        int64_t kv_stride, float scale, float *scores, int64_t probs_stride) {
     const float *rows[SCORE_KEYS];
     __m512 acc[3][SCORE_KEYS];
     key_rows(key_cache, slots, m, kv_stride, rows);
-    for (int p = 0; p < 3; p++)
+    for (int p = 0; p < num_pairs; p++)
         for (int k = 0; k < SCORE_KEYS; k++) acc[p][k] = _mm512_setzero_ps();
     for (int64_t i = 0; i < d; i += 8) {
         __m512 qv[3];
-        for (int p = 0; p < 3; p++)
+        for (int p = 0; p < num_pairs; p++)
             qv[p] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(q + 2 * p * d + i)),
                                        _mm256_loadu_ps(q + (2 * p + 1) * d + i), 1);
         for (int k = 0; k < SCORE_KEYS; k++) {
             const __m512 key = _mm512_broadcast_f32x8(_mm256_loadu_ps(rows[k] + i));
-            for (int p = 0; p < 3; p++) acc[p][k] = _mm512_fmadd_ps(qv[p], key, acc[p][k]);
+            for (int p = 0; p < num_pairs; p++) acc[p][k] = _mm512_fmadd_ps(qv[p], key, acc[p][k]);
         }
     }
-    for (int p = 0; p < 3; p++) {
+    for (int p = 0; p < num_pairs; p++) {
         __m256 low[SCORE_KEYS], high[SCORE_KEYS];
         for (int k = 0; k < SCORE_KEYS; k++) {
             low[k] = _mm512_castps512_ps256(acc[p][k]);
@@ -261,9 +241,9 @@ static void score_narrow(const float *q, int nh, const float *key_cache, const i
 static WIDE_TARGET void score_wide(const float *q, int nh, const float *key_cache, const int32_t *slots, int m,
                                    int64_t kv_stride, int64_t d, float scale, float *scores, int64_t probs_stride) {
     if (nh == 6)
-        score_keys_pairs3(q, d, key_cache, slots, m, kv_stride, scale, scores, probs_stride);
+        score_key_pairs(3, q, d, key_cache, slots, m, kv_stride, scale, scores, probs_stride);
     else if (nh == 2)
-        score_keys_pair(q, q + d, key_cache, slots, m, kv_stride, d, scale, scores, scores + probs_stride);
+        score_key_pairs(1, q, d, key_cache, slots, m, kv_stride, scale, scores, probs_stride);
     else
         score_keys(q, key_cache, slots, m, kv_stride, d, scale, scores);
 }
