@@ -67,8 +67,9 @@ def test_touched_zeros_are_resident_at_once() -> None:
 
     if not hasattr(mmap, "MADV_HUGEPAGE") or not os.path.exists("/proc/self/pagemap"):
         pytest.skip("needs Linux")
-    lazy, = huge_page_zeros([(4 << 20,)], torch.uint8)
-    touched, = huge_page_zeros([(4 << 20,)], torch.uint8, touch=True)
+    fresh = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # what the pool is made from
+    lazy = torch.frombuffer(fresh, dtype=torch.uint8)
+    touched, = huge_page_zeros([(4 << 20,)], torch.uint8)
     assert resident(lazy) == 0
     assert resident(touched) == (4 << 20) // mmap.PAGESIZE
     assert not touched.any()

@@ -50,17 +50,16 @@ def huge_page_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [span.view(t.dtype).view(t.shape).copy_(t) for span, t in zip(spans, tensors, strict=True)]
 
 
-def huge_page_zeros(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, touch: bool = False) -> list[torch.Tensor]:
-    """Zero tensors of `shapes`, back to back in one mapping advised for huge pages. A fresh mapping reads as zeros
-    and is backed as its pages are first written; touch: back every page now (one write a page), so no later write
-    waits for the kernel to find, zero (and, with THP defrag "madvise", compact memory for) a 2 MiB page."""
+def huge_page_zeros(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Zero tensors of `shapes`, back to back in one mapping advised for huge pages, every page backed now (one write
+    a page): a fresh mapping reads as zeros but is backed as its pages are first written, and then a write waits for
+    the kernel to find, zero (and, with THP defrag "madvise", compact memory for) a 2 MiB page."""
     element = torch.empty((), dtype=dtype).element_size()
     spans = _arena([element * math.prod(shape) for shape in shapes])
     if spans is None:
         return [torch.zeros(shape, dtype=dtype) for shape in shapes]
-    if touch:
-        for span in spans:
-            span[::mmap.PAGESIZE].zero_()
+    for span in spans:
+        span[::mmap.PAGESIZE].zero_()
     return [span.view(dtype).view(shape) for span, shape in zip(spans, shapes, strict=True)]
 
 

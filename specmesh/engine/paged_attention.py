@@ -52,7 +52,7 @@ class PagedKVCache:
         # whole at start: backed as blocks were first used instead, a step whose blocks reached fresh 2 MiB pages of
         # every layer's keys and values waited for the kernel to zero (and compact memory for) 56 of them, ~250 ms
         # on a 2-core Zen 4 (THP defrag "madvise"), a stall for every stream in that step.
-        caches = huge_page_zeros([shape] * (2 * num_layers), dtype, touch=True)
+        caches = huge_page_zeros([shape] * (2 * num_layers), dtype)
         self.key_caches, self.value_caches = caches[0::2], caches[1::2]
         self.num_blocks = num_blocks
         self.block_size = block_size
