@@ -47,6 +47,20 @@ def test_kernel_matches_float64_attention(heads: int, kv_heads: int, head_dim: i
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("length", [3, 8, 31, 32, 33, 77, 100])
+def test_the_largest_score_counts_wherever_it_sits_in_the_row(length: int) -> None:
+    """Scores ~100 apart: the softmax takes exp(s - max), so a maximum that missed the key with the largest score
+    (first key, a vector tail, a 32-key block) would overflow to inf and NaN. Each row has it at another place."""
+    keys, values = torch.zeros(length, 1, 8), torch.randn(length, 1, 8, generator=torch.Generator().manual_seed(1))
+    keys[:, 0, 0] = -torch.arange(length, dtype=torch.float32)      # key j scores -100 j for query (100, 0, ...)
+    slots = [[(j + shift) % length for j in range(length)] for shift in range(length)]   # the top key at every place
+    query = torch.zeros(len(slots), 1, 8)
+    query[:, 0, 0] = 100.0
+    out = run(query, keys, values, slots, 1.0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), reference(query, keys, values, slots, 1.0), rtol=1e-5, atol=1e-6)
+
+
 def test_a_row_is_bit_identical_alone_in_a_batch_and_wherever_its_keys_are_stored() -> None:
     """What exact speculation needs: row 0 alone, beside other rows, and with its keys copied to other slots (a tree
     path's keys vs a chain's) gives the same bits."""

@@ -118,6 +118,24 @@ static float exp_scores(float *probs, int64_t n, float max_score) {
     return hsum8(total);
 }
 
+/* The largest of p[0 .. n) (-inf for n = 0), four 8-lane maxima at a time, then across them: a maximum does not
+   depend on the order (a NaN is skipped as the scalar `p > m ? p : m` skips it; the sign a zero maximum keeps
+   changes no exp below), so the bits are those of the scalar loop, which had cost as much as the score pass on a
+   2-core Xeon (vmaxss's latency, one element at a time, 12 heads x ~3,500 keys a row and layer). */
+static float max_of(const float *p, int64_t n) {
+    __m256 m[4];
+    for (int i = 0; i < 4; i++) m[i] = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32)
+        for (int i = 0; i < 4; i++) m[i] = _mm256_max_ps(_mm256_loadu_ps(p + j + 8 * i), m[i]);
+    for (; j + 8 <= n; j += 8) m[0] = _mm256_max_ps(_mm256_loadu_ps(p + j), m[0]);
+    float lanes[32], best = -INFINITY;
+    for (int i = 0; i < 4; i++) _mm256_storeu_ps(lanes + 8 * i, m[i]);
+    for (int i = 0; i < 32; i++) best = lanes[i] > best ? lanes[i] : best;
+    for (; j < n; j++) best = p[j] > best ? p[j] : best;
+    return best;
+}
+
 #define HEAD_TILE 6         /* query heads of one KV head whose value chunks are accumulated together */
 
 #define KEY_BLOCK 16        /* keys whose value rows stay in L1 while every 16-dim chunk passes over them */
@@ -309,9 +327,7 @@ static void attend_rows(const row_kernels_t *kern, const float *q, int64_t num_r
     }
     for (int64_t r = 0; r < num_rows; r++)
         for (int64_t h = h_begin; h < h_end; h++) {
-            const float *p = probs + r * row_probs + h * probs_stride;
-            float max_score = -INFINITY;
-            for (int64_t j = 0; j < row_len[r]; j++) max_score = p[j] > max_score ? p[j] : max_score;
+            const float max_score = max_of(probs + r * row_probs + h * probs_stride, row_len[r]);
             inv[r * heads + h] = 1.0f / exp_scores(probs + r * row_probs + h * probs_stride, row_len[r], max_score);
         }
     for (int64_t j0 = 0; j0 < n_max; j0 += KEY_BLOCK) {

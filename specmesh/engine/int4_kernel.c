@@ -20,7 +20,9 @@ k-token verification gives bit-identical logits to one-token decoding) nor on ho
 threads. Built without -ffast-math: the compiler must not reassociate the float sums.
 */
 
+#ifndef _GNU_SOURCE           /* cpu_build.py defines it for every kernel */
 #define _GNU_SOURCE            /* syscall() for arch_prctl */
+#endif
 #include <immintrin.h>
 #include <math.h>
 #include <stdatomic.h>
