@@ -30,8 +30,9 @@ async def test_the_gateway_reports_serving_only_after_its_warm_up() -> None:
     try:
         addr = f"127.0.0.1:{await gateway.server.start('127.0.0.1', 0)}"
         deadline = time.monotonic() + 60
+        # No check of the counter while NOT_SERVING: the warm-up counts its tokens just before the gateway flips to
+        # SERVING, so a poll can see NOT_SERVING and then the full count (the race that once failed CI).
         while await grpc_health(addr) != [SERVING, SERVING]:
-            assert _sample(registry, "specmesh_generation_tokens_total") < 6, "warmed up but not SERVING"
             assert time.monotonic() < deadline, "never SERVING"
             await asyncio.sleep(0.02)
         # the moment it says SERVING, its warm-up generation (with the gateway's own key) has finished
