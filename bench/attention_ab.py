@@ -1,0 +1,116 @@
+"""The attention kernel as it is here against an earlier revision's, on a step beside a long prompt: a chain of R
+prompt rows late in an L-key prompt (one key list, tiles of rows) and one decode row over its own keys, 28 layers.
+
+    python -m bench.attention_ab --baseline-rev HEAD~1                   # R = 1 and 6 over 3,500 keys, 2 threads
+    python -m bench.attention_ab --baseline-rev a02e831~1 --rows 6 --keys 2000,3500 --threads 1,2
+
+Builds `specmesh/engine/attention_kernel.c` from this checkout and from `git show REV:...` (each beside its
+cpu_pool.h), asserts the two give bit-identical outputs, then times them alternating call by call (median and best
+of --reps calls over every layer; the KV pools, ~200 MB at 3,500 keys, exceed the caches as a real step's do).
+Prints ms per step's attention and writes bench/results/attention-ab-*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from bench.attention_kernel import pools
+from bench.common import log, result_paths, run_metadata, split_csv, write_json
+from specmesh.engine.cpu_build import AVX2_CFLAGS
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE = ROOT / "specmesh" / "engine"
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, DECODE_KEYS = 28, 12, 2, 128, 200
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+def build(rev: str, out_dir: Path) -> ctypes.CDLL:
+    """attention_kernel.c and cpu_pool.h at `rev` ('' = this checkout), compiled as the engine compiles them."""
+    out_dir.mkdir(parents=True)
+    for name in ("attention_kernel.c", "cpu_pool.h"):
+        text = (ENGINE / name).read_text() if not rev else subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{rev}:specmesh/engine/{name}"], capture_output=True, text=True,
+            check=True).stdout
+        (out_dir / name).write_text(text)
+    subprocess.run(["gcc", *AVX2_CFLAGS, str(out_dir / "attention_kernel.c"), "-o", str(out_dir / "k.so"), "-lm",
+                    "-lpthread"], check=True)
+    lib = ctypes.CDLL(str(out_dir / "k.so"))
+    lib.sm_paged_attention.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, ctypes.c_int]
+    return lib
+
+
+def step(num_rows: int, num_keys: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """query [R + 1, H, D]; key slots (the prompt's chain, then the decode row's own keys, scattered over the pool);
+    row starts and lengths: prompt row r sees its first num_keys + r + 1 keys, the decode row DECODE_KEYS."""
+    g = torch.Generator().manual_seed(num_rows)
+    perm = torch.randperm(num_keys + num_rows + DECODE_KEYS, generator=g).to(torch.int32)
+    starts = torch.tensor([0] * num_rows + [num_keys + num_rows])
+    lengths = torch.tensor([num_keys + r + 1 for r in range(num_rows)] + [DECODE_KEYS])
+    return torch.randn(num_rows + 1, HEADS, HEAD_DIM, generator=g), perm, starts, lengths
+
+
+def measure(libs: dict[str, ctypes.CDLL], num_rows: int, num_keys: int, threads: int, reps: int) -> dict[str, dict]:
+    layers = pools(LAYERS, num_keys + num_rows + DECODE_KEYS, KV_HEADS, HEAD_DIM)
+    query, slots, starts, lengths = step(num_rows, num_keys)
+    scratch = torch.empty(threads * 8 * HEADS * (int(lengths.max()) + 1))
+
+    def run(lib: ctypes.CDLL) -> list[torch.Tensor]:
+        outs = []
+        for keys, values in layers:
+            out = torch.empty_like(query)
+            lib.sm_paged_attention(query.data_ptr(), keys.data_ptr(), values.data_ptr(), slots.data_ptr(),
+                                   starts.data_ptr(), lengths.data_ptr(), len(query), HEADS, KV_HEADS, HEAD_DIM,
+                                   HEAD_DIM ** -0.5, scratch.data_ptr(), out.data_ptr(), threads)
+            outs.append(out)
+        return outs
+
+    first, *others = [run(lib) for lib in libs.values()]
+    for outs in others:
+        assert all(torch.equal(a, b) for a, b in zip(first, outs, strict=True)), "the kernels' bits differ"
+    seconds: dict[str, list[float]] = {name: [] for name in libs}
+    for _ in range(reps):
+        for name, lib in libs.items():
+            started = time.perf_counter()
+            run(lib)
+            seconds[name].append(time.perf_counter() - started)
+    return {name: {"median_ms": statistics.median(ts) * 1e3, "best_ms": min(ts) * 1e3} for name, ts in seconds.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--baseline-rev", required=True, help="git revision whose attention kernel to compare against")
+    p.add_argument("--rows", default="1,6", help="prompt rows beside the decode row")
+    p.add_argument("--keys", default="3500", help="the prompt's keys before its rows")
+    p.add_argument("--threads", default="2")
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--name", default="attention-ab")
+    args = p.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {args.baseline_rev: build(args.baseline_rev, Path(tmp) / "baseline"),
+                "this checkout": build("", Path(tmp) / "here")}
+        for num_keys in (int(k) for k in split_csv(args.keys)):
+            for num_rows in (int(r) for r in split_csv(args.rows)):
+                for threads in (int(t) for t in split_csv(args.threads)):
+                    times = measure(libs, num_rows, num_keys, threads, args.reps)
+                    rows.append({"keys": num_keys, "rows": num_rows, "threads": threads, "ms": times})
+                    log(f"{num_rows} row(s) over {num_keys} keys + a decode row, {threads} thread(s): " + "  ".join(
+                        f"{name} {t['median_ms']:.1f} ms (best {t['best_ms']:.1f})" for name, t in times.items())
+                        + "; bits identical")
+    json_path, _ = result_paths(args.name)
+    write_json(json_path, {"meta": run_metadata(args), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
