@@ -5,8 +5,9 @@ prompt rows late in an L-key prompt (one key list, tiles of rows) and one decode
     python -m bench.attention_ab --baseline-rev a02e831~1 --rows 6 --keys 2000,3500 --threads 1,2
 
 Builds `specmesh/engine/attention_kernel.c` from this checkout and from `git show REV:...` (each beside its
-cpu_pool.h), asserts the two give bit-identical outputs, then times them alternating call by call (median and best
-of --reps calls over every layer; the KV pools, ~200 MB at 3,500 keys, exceed the caches as a real step's do).
+cpu_pool.h, through the engine's `cpu_build.library_path`), asserts the two give bit-identical outputs, then times
+them alternating call by call (median and best of --reps calls over every layer; the KV pools, ~200 MB at 3,500
+keys, exceed the caches as a real step's do).
 Prints ms per step's attention and writes bench/results/attention-ab-*.json.
 """
 
@@ -26,7 +27,7 @@ import torch
 
 from bench.attention_kernel import pools
 from bench.common import log, result_paths, run_metadata, split_csv, write_json
-from specmesh.engine.cpu_build import AVX2_CFLAGS
+from specmesh.engine.cpu_build import library_path
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = ROOT / "specmesh" / "engine"
@@ -35,17 +36,19 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 def build(rev: str, out_dir: Path) -> ctypes.CDLL:
-    """attention_kernel.c and cpu_pool.h at `rev` ('' = this checkout), compiled as the engine compiles them."""
-    out_dir.mkdir(parents=True)
-    for name in ("attention_kernel.c", "cpu_pool.h"):
-        text = (ENGINE / name).read_text() if not rev else subprocess.run(
-            ["git", "-C", str(ROOT), "show", f"{rev}:specmesh/engine/{name}"], capture_output=True, text=True,
-            check=True).stdout
-        (out_dir / name).write_text(text)
-    subprocess.run(["gcc", *AVX2_CFLAGS, str(out_dir / "attention_kernel.c"), "-o", str(out_dir / "k.so"), "-lm",
-                    "-lpthread"], check=True)
-    lib = ctypes.CDLL(str(out_dir / "k.so"))
+    """attention_kernel.c with cpu_pool.h at `rev` ('' = this checkout), built by the engine's own builder (its
+    compiler and flags; cached by the source, headers and flags). Loaded apart from the engine's shared pool."""
+    source = ENGINE / "attention_kernel.c"
+    if rev:
+        out_dir.mkdir(parents=True)
+        for name in ("attention_kernel.c", "cpu_pool.h"):
+            (out_dir / name).write_text(subprocess.run(
+                ["git", "-C", str(ROOT), "show", f"{rev}:specmesh/engine/{name}"], capture_output=True, text=True,
+                check=True).stdout)
+        source = out_dir / "attention_kernel.c"
+    lib = ctypes.CDLL(str(library_path(source)))
     lib.sm_paged_attention.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, ctypes.c_int]
+    lib.sm_row_tile.restype = ctypes.c_int
     return lib
 
 
@@ -62,7 +65,8 @@ def step(num_rows: int, num_keys: int) -> tuple[torch.Tensor, torch.Tensor, torc
 def measure(libs: dict[str, ctypes.CDLL], num_rows: int, num_keys: int, threads: int, reps: int) -> dict[str, dict]:
     layers = pools(LAYERS, num_keys + num_rows + DECODE_KEYS, KV_HEADS, HEAD_DIM)
     query, slots, starts, lengths = step(num_rows, num_keys)
-    scratch = torch.empty(threads * 8 * HEADS * (int(lengths.max()) + 1))
+    row_tile = max(lib.sm_row_tile() for lib in libs.values())      # each kernel's scratch: a tile's probs a thread
+    scratch = torch.empty(threads * row_tile * HEADS * (int(lengths.max()) + 1))
 
     def run(lib: ctypes.CDLL) -> list[torch.Tensor]:
         outs = []
