@@ -12,6 +12,10 @@ Per configuration of the stream (`target`: num_draft_tokens 0; `spec`: the gatew
    while the prompt prefilled (send -> the prompt's first token), and the prompt's TTFT.
 Goals (issue 27): longest gap <= 3x the median gap, TTFT beside <= 1.5x TTFT alone. The verifier's step bound is
 its own setting (SPECMESH_VERIFIER_STEP_COST_FACTOR, passed with --env; the stack's default otherwise).
+With --start-stack the verifier writes its step spans to a temporary file (unless --env sets
+SPECMESH_VERIFIER_TRACE_FILE), and each of the longest gaps gets the steps that ended in it: their duration, time
+bound, prefill tokens and how long their threads waited for a core; the longest gap's step is logged. A step that
+overran its bound while its threads waited for a core lost them to another task on the host, not to the schedule.
 Writes bench/results/<name>-<time>.json.
 """
 
@@ -20,9 +24,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
+import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +45,7 @@ from specmesh.ops.launcher import PRESETS
 STREAM_K = {"target": 0, "spec": None}          # num_draft_tokens of the stream: 0 = target-only, None = defaults
 STREAM_PROMPT = "Write a detailed, step-by-step tutorial on binary search trees in Python, with code."
 MAX_GAP_RATIO, MAX_TTFT_RATIO = 3.0, 1.5
+TRACE_ENV = "SPECMESH_VERIFIER_TRACE_FILE"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -78,7 +86,7 @@ async def beside(send: Any, doc: TrafficRequest, args: argparse.Namespace, confi
     """The stream, the prompt sent after --warm-messages of its messages; the gaps and TTFT measured."""
     stream = StreamResult("stream", "chat", config, 0.0, args.stream_tokens)
     request = TrafficRequest("stream", "chat", [("user", STREAM_PROMPT)], 0, args.stream_tokens)
-    stream_sent = time.perf_counter()      # the sender's own clock starts within a millisecond of this
+    stream_sent, stream_sent_epoch = time.perf_counter(), time.time()   # the sender's own clock starts here
     task = asyncio.ensure_future(send(request, stream))
     while len(stream.messages) < args.warm_messages and not task.done():
         await asyncio.sleep(0.005)
@@ -98,7 +106,8 @@ async def beside(send: Any, doc: TrafficRequest, args: argparse.Namespace, confi
     longest = sorted(spans, key=lambda ab: ab[1] - ab[0])[-5:]       # where they fell: seconds after the prompt
     return {"ttft_s": prompt.ttft_s, "error": prompt.error or stream.error, "median_gap_s": statistics.median(before),
             "longest_gap_s": max(during, default=0.0), "stream_messages_during": len(during),
-            "longest_gaps": [{"after_prompt_s": a - window[0], "gap_s": b - a} for a, b in reversed(longest)],
+            "longest_gaps": [{"after_prompt_s": a - window[0], "gap_s": b - a,
+                              "epoch_s": (stream_sent_epoch + a, stream_sent_epoch + b)} for a, b in reversed(longest)],
             "stream_tokens_per_message": stream.completion_tokens / max(1, len(stream.messages))}
 
 
@@ -126,6 +135,45 @@ async def run(addr: str, args: argparse.Namespace, docs: list[TrafficRequest]) -
     return rows
 
 
+def verifier_steps(trace_file: str) -> list[dict[str, float]]:
+    """The verifier's forwards from its span file: start and end (epoch seconds), prefill tokens, time bound and
+    the seconds its compute threads waited for a core (cpu_wait.py)."""
+    steps = []
+    with open(trace_file, encoding="utf-8") as f:
+        for line in f:
+            span = json.loads(line)
+            if span.get("name") != "verifier-engine forward":
+                continue
+            a = span["attributes"]
+            steps.append({"start_s": span["start_ns"] / 1e9, "end_s": span["end_ns"] / 1e9,
+                          "prefill_tokens": a.get("specmesh.batch.num_prefill_tokens", 0),
+                          "time_bound_s": a.get("specmesh.step.time_bound_s", 0.0),
+                          "cpu_wait_s": a.get("specmesh.step.cpu_wait_s", 0.0)})
+    return steps
+
+
+def explain_longest_gaps(rows: list[dict[str, Any]], trace_file: str) -> None:
+    """Puts on each of the longest gaps the verifier steps that ended inside it (the step that answered the message
+    ending the gap, and any before it) and logs the longest: did its step overrun the bound, and was it for want of
+    a core? A step's threads waiting for a core is the host's doing (another task on its cores), not the schedule."""
+    try:
+        steps = verifier_steps(trace_file)
+    except OSError as exc:
+        log(f"no verifier spans to explain the gaps ({exc})")
+        return
+    for row in rows:
+        for gap in row["longest_gaps"]:
+            begin, end = gap.pop("epoch_s")
+            gap["steps"] = [{k: v for k, v in s.items() if k not in ("start_s", "end_s")} | {"seconds": s["end_s"] -
+                            s["start_s"]} for s in steps if begin < s["end_s"] <= end]
+        worst = row["longest_gaps"][0] if row["longest_gaps"] else None
+        if worst and worst["steps"]:
+            step = max(worst["steps"], key=lambda s: s["seconds"])
+            log(f"{row['config']}: the longest gap's step ran {step['seconds'] * 1e3:.0f} ms (bound "
+                f"{step['time_bound_s'] * 1e3:.0f} ms, {step['prefill_tokens']} prefill tokens); its threads waited "
+                f"{step['cpu_wait_s'] * 1e3:.0f} ms for a core (other tasks on its cores)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     unknown = set(split_csv(args.configs)) - set(STREAM_K)
@@ -135,8 +183,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     docs = documents(args, 2 * len(split_csv(args.configs)) + 1)
     pins = {k: v for k, v in (("verifier", args.cpus_verifier), ("draft", args.cpus_draft),
                               ("gateway", args.cpus_draft)) if v}
-    with stack_addr(args, pins or None) as addr:
-        rows = asyncio.run(run(addr, args, docs))
+    trace_dir = tempfile.TemporaryDirectory(prefix="specmesh-stall-")
+    trace_file = ""
+    if args.start_stack and not any(e.startswith(f"{TRACE_ENV}=") for e in args.env):
+        trace_file = os.path.join(trace_dir.name, "verifier.jsonl")
+        args.env.append(f"{TRACE_ENV}={trace_file}")     # the verifier's step spans: what set the longest gaps
+    with trace_dir:
+        with stack_addr(args, pins or None) as addr:
+            rows = asyncio.run(run(addr, args, docs))
+        if trace_file:                                  # (spans are flushed when the stack stops)
+            explain_longest_gaps(rows, trace_file)
     json_path, _ = result_paths(args.name or f"stall-{args.preset}")
     write_json(json_path, {"meta": meta, "rows": rows})
     return 0 if all(not r["error"] for r in rows) else 1

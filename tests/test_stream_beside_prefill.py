@@ -7,6 +7,7 @@ The engine thread is stopped and the test runs each step itself, so it counts st
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -88,13 +89,17 @@ async def test_a_stream_is_answered_every_step_while_a_near_context_prompt_prefi
         assert sample(engine, "specmesh_engine_step_tokens_sum", {"kind": "decode"}) >= steps
         assert sample(engine, "specmesh_engine_prefill_wait_seconds_count") - waits_before >= steps
         assert sample(engine, "specmesh_engine_prefill_wait_seconds_sum") > 0
-        # Step spans carry the composition, the time bound and the longest wait behind prefill.
+        # Step spans carry the composition, the time bound and the longest wait behind prefill ...
         forwards = [s for s in memory.get_finished_spans() if s.name == "verifier-engine forward"]
         mixed = [a for a in (s.attributes for s in forwards)
                  if a["specmesh.batch.num_decode_tokens"] and a["specmesh.batch.num_prefill_tokens"]]
         assert len(mixed) >= steps // 2
         assert all(a["specmesh.step.time_bound_s"] > 0 for a in mixed)
         assert max(a["specmesh.step.max_prefill_wait_s"] for a in mixed) > 0
+        # ... and how long their compute threads waited for a core (Linux schedstat), also a counter.
+        if os.path.exists("/proc/self/schedstat"):
+            assert all(a["specmesh.step.cpu_wait_s"] >= 0 for a in mixed)
+            assert engine.metrics.registry.get_sample_value("specmesh_engine_cpu_wait_seconds_total") is not None
     finally:
         engine.scheduler.clear()
         await verifier.stop()

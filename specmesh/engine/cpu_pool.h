@@ -81,6 +81,8 @@ static void pool_run_chunks(unsigned long long gen, int thread) {
     }
 }
 
+#define POOL_WORKER_NAME "specmesh-kernel"   /* /proc/<pid>/task/<tid>/comm: how the engine finds its workers */
+
 static void *pool_worker(void *arg) {
     const int index = (int)(intptr_t)arg;           /* 1 .. pool_num_workers; the caller is 0 */
     unsigned long long seen = pool_start_generation[index];
@@ -132,6 +134,7 @@ static void pool_run_own(int threads, int64_t num_chunks, pool_chunk_fn fn, void
         pthread_t t;
         pool_start_generation[pool_num_workers + 1] = atomic_load(&pool_generation);
         if (pthread_create(&t, NULL, pool_worker, (void *)(intptr_t)(pool_num_workers + 1)) != 0) break;
+        pthread_setname_np(t, POOL_WORKER_NAME);     /* named before it may run (it may not, before the job ends) */
         pthread_detach(t);
         pool_num_workers++;
     }

@@ -15,9 +15,11 @@ from contextlib import contextmanager
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext
 
+from specmesh.telemetry.cpu_wait import CpuWait
 from specmesh.telemetry.metrics import EngineMetrics
 
 _tracer = trace.get_tracer("specmesh.engine")
+_cpu_wait = CpuWait()     # the calling engine thread's and the kernel workers' run-queue wait (cpu_wait.py)
 _ROOT = trace.set_span_in_context(trace.INVALID_SPAN)
 
 
@@ -45,15 +47,23 @@ def forward_span(engine: str, metrics: EngineMetrics, composition: tuple[int, in
                  step_attributes: dict[str, float] | None = None) -> Iterator[None]:
     """Wraps one forward: a span named "<engine> forward" (unless links is None) and the batch metrics.
     composition: (sequences, decode tokens, prefill tokens) of the forward's batch.
-    step_attributes: more attributes of the span (the scheduler's time bound, the longest wait behind prefill)."""
+    step_attributes: more attributes of the span (the scheduler's time bound, the longest wait behind prefill).
+    The span also gets the seconds the compute threads waited for a core meanwhile (cpu_wait.py)."""
     start = time.perf_counter()
     attributes: dict[str, float] = {**batch_attributes(*composition), **(step_attributes or {})}
+    waits = _cpu_wait.sample()
     if links is None:
         yield
+        cpu_wait_s = CpuWait.seconds_since(waits, _cpu_wait.sample())
     else:
         with _tracer.start_as_current_span(f"{engine} forward", context=_ROOT, links=_links(links),
-                                           attributes=attributes):
+                                           attributes=attributes) as span:
             yield
+            cpu_wait_s = CpuWait.seconds_since(waits, _cpu_wait.sample())
+            if cpu_wait_s is not None:
+                span.set_attribute("specmesh.step.cpu_wait_s", cpu_wait_s)
+    if cpu_wait_s is not None:
+        metrics.cpu_wait.inc(cpu_wait_s)
     metrics.forward_seconds.observe(time.perf_counter() - start)
     metrics.batch_size.observe(composition[0])
     metrics.batch_tokens.observe(attributes["specmesh.batch.num_tokens"])

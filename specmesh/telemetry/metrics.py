@@ -111,6 +111,10 @@ class EngineMetrics:
             "specmesh_engine_prefill_wait_seconds", "Per decode request with a waiting caller (a verify of a "
             "running session): seconds between its submission and the step that ran it during which forwards "
             "carrying prefill ran (0 when it waited behind none)", buckets=PREFILL_WAIT_BUCKETS, registry=r)
+        self.cpu_wait = Counter(
+            "specmesh_engine_cpu_wait_seconds", "Seconds the engine thread and the kernel pool's workers waited for a "
+            "core during forwards (runnable, not running: other tasks on the engine's cores; Linux schedstat)",
+            registry=r)
 
     def watch(self, queue_length: Callable[[], int], sessions: Callable[[], int], kv_used: Callable[[], int],
               kv_free: Callable[[], int]) -> None:
