@@ -1,6 +1,6 @@
-"""The gateway's own warm-up (SPECMESH_GATEWAY_WARMUP_TOKENS): health says SERVING only after one generation ran
-through the gateway itself, with its own API key where it wants one (the mechanism, ServiceServer.warm_up:
-tests/test_server_warm_up.py)."""
+"""The gateway's own warm-up (SPECMESH_GATEWAY_WARMUP_TOKENS): health says SERVING only after its warm-up
+generations (one greedy, one sampled) ran through the gateway itself, with its own API key where it wants one (the
+mechanism, ServiceServer.warm_up: tests/test_server_warm_up.py)."""
 
 from __future__ import annotations
 
@@ -35,9 +35,10 @@ async def test_the_gateway_reports_serving_only_after_its_warm_up() -> None:
         while await grpc_health(addr) != [SERVING, SERVING]:
             assert time.monotonic() < deadline, "never SERVING"
             await asyncio.sleep(0.02)
-        # the moment it says SERVING, its warm-up generation (with the gateway's own key) has finished
-        assert _sample(registry, "specmesh_generation_tokens_total") == 6
-        assert _sample(registry, "specmesh_requests_total") == 1
+        # the moment it says SERVING, its warm-up generations (greedy and sampled, with the gateway's own key) have
+        # finished
+        assert _sample(registry, "specmesh_generation_tokens_total") == 12
+        assert _sample(registry, "specmesh_requests_total") == 2
         assert _sample(registry, "specmesh_request_errors_total") == 0
     finally:
         await gateway.server.stop()

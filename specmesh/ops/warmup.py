@@ -7,8 +7,16 @@ the draft service, each service's first forward (kernel pool threads started, th
 2-core Zen 5 with the real pair (`specmesh up --preset qwen`, fresh each time, 64-token requests), the first request
 reached its first token in 599-773 ms without a warm-up (the next ones: 76-130 ms) and in 163-240 ms after this
 16-token one. Its inter-token gap did not settle: whether a request tries the draft model is the gateway's
-learned priors' choice (gateway/learned_priors.py), and requests after the warm-up still tried it. The warm-up is an
-ordinary greedy request: it shows in the metrics and the trace like any other.
+learned priors' choice (gateway/learned_priors.py), and requests after the warm-up still tried it.
+
+The warm-up is two ordinary requests of `num_tokens` each, one greedy and one sampled (temperature 1, seeded): the
+gateway keeps what its requests learned apart for greedy and sampled ones, and a sampled request prices the draft
+model by its own book once it has one. With only a greedy warm-up, the first sampled client request priced a model
+round at the greedy warm-up's cost (~100 ms for 4 drafts on the 2-core Zen 5), so it tried the model: a draft
+prefill of its prompt (562 ms beside its first rounds, which ran 113-120 ms instead of 27) and five model rounds of
+158-267 ms (a sampled Propose of 4 drafts took 107-189 ms there); at 42.6-49.1 ms a token it set guidellm's
+synchronous p99 inter-token latency, the other requests 21-35 ms. Both requests show in the metrics and the trace
+like any other.
 
 A gateway started on its own (docker-compose, Kubernetes) runs the same generation through its own gRPC server when
 `SPECMESH_GATEWAY_WARMUP_TOKENS` > 0 (the deploy files set 16), and reports SERVING only after it
@@ -28,11 +36,16 @@ WARMUP_MESSAGES = (("user", "Write a Python function that returns the n-th Fibon
 DEFAULT_WARMUP_TOKENS = 16
 
 
+WARMUP_SAMPLING = ((0.0, None), (1.0, 0))    # (temperature, seed): greedy, then sampled (see above)
+
+
 async def _generate(addr: str, num_tokens: int, timeout_s: float, api_key: str) -> int:
-    request = client.make_request(messages=WARMUP_MESSAGES, max_new_tokens=num_tokens, ignore_eos=True)
     num_generated = 0
-    async for response in client.stream(addr, request, timeout_s, api_key):
-        num_generated += len(response.token_ids)
+    for temperature, seed in WARMUP_SAMPLING:
+        request = client.make_request(messages=WARMUP_MESSAGES, max_new_tokens=num_tokens, ignore_eos=True,
+                                      temperature=temperature, seed=seed)
+        async for response in client.stream(addr, request, timeout_s, api_key):
+            num_generated += len(response.token_ids)
     return num_generated
 
 
