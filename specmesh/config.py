@@ -190,7 +190,7 @@ class GatewayConfig:
     health_probe_interval_s: float = 1.0   # verifier health probes: pause between rounds of probes
     health_probe_timeout_s: float = 2.0    # a probe slower than this failed
     health_probe_failures: int = 2         # failed probes in a row before a replica counts as down
-    warmup_tokens: int = 0                 # one greedy generation this long through the gateway itself before
+    warmup_tokens: int = 0                 # a greedy and a sampled generation this long through the gateway before
                                            # health says SERVING (gateway/server.py); 0 = none (`specmesh
                                            # up` warms its stack as a client; the deploy files set 16)
     cache_dir: str = ""

@@ -256,8 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "until Ctrl-C / SIGTERM. Flags default to the SPECMESH_* variables named below.")
     _add_stack_args(up)
     up.add_argument("--warmup-tokens", type=int, default=DEFAULT_WARMUP_TOKENS,
-                    help="tokens of the one greedy generation run through the stack before it says it is up, so the "
-                         "first client's request does not pay a fresh stack's one-off costs; 0 = none "
+                    help="tokens of each of the two generations (greedy, then sampled) run through the stack before it "
+                         "says it is up, so the first client's request does not pay a fresh stack's one-off costs; 0 = "
+                         "none "
                          "(default %(default)s)")
     up.set_defaults(func=cmd_up)
     gen = sub.add_parser("generate", help="stream a generation from a running gateway")
