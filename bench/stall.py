@@ -12,8 +12,8 @@ Per configuration of the stream (`target`: num_draft_tokens 0; `spec`: the gatew
    while the prompt prefilled (send -> the prompt's first token), and the prompt's TTFT.
 Goals (issue 27): longest gap <= 3x the median gap, TTFT beside <= 1.5x TTFT alone. The verifier's step bound is
 its own setting (SPECMESH_VERIFIER_STEP_COST_FACTOR, passed with --env; the stack's default otherwise).
-With --start-stack the verifier writes its step spans to a temporary file (unless --env sets
-SPECMESH_VERIFIER_TRACE_FILE), and each of the longest gaps gets the steps that ended in it: their duration, time
+With --start-stack the verifier writes its step spans to the file --env SPECMESH_VERIFIER_TRACE_FILE names, else to
+a temporary one, and each of the longest gaps gets the steps that ended in it (by wall clock): their duration, time
 bound, prefill tokens and how long their threads waited for a core; the longest gap's step is logged. A step that
 overran its bound while its threads waited for a core lost them to another task on the host, not to the schedule.
 Writes bench/results/<name>-<time>.json.
@@ -36,7 +36,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from bench.common import add_stack_args, log, result_paths, run_metadata, split_csv, stack_addr, write_json
+from bench.common import add_stack_args, log, parse_env, result_paths, run_metadata, split_csv, stack_addr, write_json
 from bench.serving_clients import StreamResult, grpc_sender
 from bench.serving_mix import SUMMARIZE, TrafficRequest, document_ids, document_text
 from specmesh.models import resolve_model_dir
@@ -183,12 +183,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     docs = documents(args, 2 * len(split_csv(args.configs)) + 1)
     pins = {k: v for k, v in (("verifier", args.cpus_verifier), ("draft", args.cpus_draft),
                               ("gateway", args.cpus_draft)) if v}
-    trace_dir = tempfile.TemporaryDirectory(prefix="specmesh-stall-")
-    trace_file = ""
-    if args.start_stack and not any(e.startswith(f"{TRACE_ENV}=") for e in args.env):
-        trace_file = os.path.join(trace_dir.name, "verifier.jsonl")
-        args.env.append(f"{TRACE_ENV}={trace_file}")     # the verifier's step spans: what set the longest gaps
-    with trace_dir:
+    with tempfile.TemporaryDirectory(prefix="specmesh-stall-") as trace_dir:
+        trace_file = parse_env(args.env).get(TRACE_ENV, "") if args.start_stack else ""
+        if args.start_stack and not trace_file:        # the verifier's step spans: what set the longest gaps
+            trace_file = os.path.join(trace_dir, "verifier.jsonl")
+            args.env.append(f"{TRACE_ENV}={trace_file}")
         with stack_addr(args, pins or None) as addr:
             rows = asyncio.run(run(addr, args, docs))
         if trace_file:                                  # (spans are flushed when the stack stops)

@@ -258,8 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--warmup-tokens", type=int, default=DEFAULT_WARMUP_TOKENS,
                     help="tokens of each of the two generations (greedy, then sampled) run through the stack before it "
                          "says it is up, so the first client's request does not pay a fresh stack's one-off costs; 0 = "
-                         "none "
-                         "(default %(default)s)")
+                         "none (default %(default)s)")
     up.set_defaults(func=cmd_up)
     gen = sub.add_parser("generate", help="stream a generation from a running gateway")
     gen.add_argument("--addr", default="127.0.0.1:50051", help="gateway address host:port (default %(default)s)")

@@ -33,10 +33,8 @@ import grpc
 from specmesh.ops import client
 
 WARMUP_MESSAGES = (("user", "Write a Python function that returns the n-th Fibonacci number."),)
-DEFAULT_WARMUP_TOKENS = 16
-
-
 WARMUP_SAMPLING = ((0.0, None), (1.0, 0))    # (temperature, seed): greedy, then sampled (see above)
+DEFAULT_WARMUP_TOKENS = 16
 
 
 async def _generate(addr: str, num_tokens: int, timeout_s: float, api_key: str) -> int:
