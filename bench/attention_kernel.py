@@ -8,8 +8,9 @@ Shapes are the target's (28 layers, 12 query heads over 2 KV heads of 128): S st
 over its own `context` keys in blocks of 16 slots of a pool as the verifier's ([slots, kvH, D] per layer, float32), or
 with --shared-context all streams over the same keys (the cache-warm case: one stream verifying S tokens). Each
 timing is the fastest of --reps calls over all layers (with several streams the pools far exceed the caches, so a
-call reads keys and values from memory as a real decode step does). Prints a table and writes
-bench/results/attention-kernel-*.json.
+call reads keys and values from memory as a real decode step does). --kv-dtypes times the kernel over a float32 and
+a float16 cache (`EngineConfig.kv_cache_dtype`) holding the same values, on --threads kernel threads. Prints a table
+and writes bench/results/attention-kernel-*.json.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from bench.common import fastest_s, log, result_paths, run_metadata, split_csv, 
 from specmesh.engine import attention_kernel
 
 BLOCK = 16
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
 def pools(num_layers: int, num_slots: int, kv_heads: int, head_dim: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -35,14 +37,14 @@ def pools(num_layers: int, num_slots: int, kv_heads: int, head_dim: int) -> list
 
 
 def kernel_call(layers: list[tuple[torch.Tensor, torch.Tensor]], query: torch.Tensor,
-                slots: list[torch.Tensor]) -> Callable[[], None]:
+                slots: list[torch.Tensor], threads: int = 1) -> Callable[[], None]:
     flat = torch.cat(slots).to(torch.int32)
     lengths = torch.tensor([len(s) for s in slots])
     starts, max_len, scale = torch.cumsum(lengths, 0) - lengths, int(lengths.max()), query.shape[-1] ** -0.5
 
     def run() -> None:
         for keys, values in layers:
-            attention_kernel.paged_attention(query, keys, values, flat, starts, lengths, max_len, scale)
+            attention_kernel.paged_attention(query, keys, values, flat, starts, lengths, max_len, scale, threads)
     return run
 
 
@@ -62,12 +64,16 @@ def measure(context: int, streams: int, args: argparse.Namespace) -> dict[str, f
     layers = pools(args.layers, (1 if args.shared_context else streams) * blocks * BLOCK, args.kv_heads, args.head_dim)
     slots = [torch.arange(context) + (0 if args.shared_context else s * blocks * BLOCK) for s in range(streams)]
     query = torch.randn(streams, args.heads, args.head_dim)
-    row = {"context": context, "streams": streams,
-           "kernel_ms": fastest_s(kernel_call(layers, query, slots), args.reps) * 1e3}
+    row: dict[str, float] = {"context": context, "streams": streams}
+    kv_elements = args.layers * 2 * (1 if args.shared_context else streams) * context * args.kv_heads * args.head_dim
+    for dtype in split_csv(args.kv_dtypes):
+        cast = [(k.to(KV_DTYPES[dtype]), v.to(KV_DTYPES[dtype])) for k, v in layers]
+        ms = fastest_s(kernel_call(cast, query, slots, args.threads), args.reps) * 1e3
+        suffix = "" if dtype == "float32" else f"_{dtype}"
+        row[f"kernel_ms{suffix}"] = ms
+        row[f"kv_gb_s{suffix}"] = kv_elements * KV_DTYPES[dtype].itemsize / ms / 1e6
     if args.sdpa:
         row["sdpa_ms"] = fastest_s(sdpa_call(layers, query, slots), args.reps) * 1e3
-    kv_bytes = args.layers * 2 * (1 if args.shared_context else streams) * context * args.kv_heads * args.head_dim * 4
-    row["kv_gb_s"] = kv_bytes / row["kernel_ms"] / 1e6
     return row
 
 
@@ -81,6 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--shared-context", action="store_true", help="every stream over the same keys")
     p.add_argument("--no-sdpa", dest="sdpa", action="store_false", help="skip the per-row SDPA fallback")
+    p.add_argument("--kv-dtypes", default="float32", help="cache element types timed (float32, float16)")
+    p.add_argument("--threads", type=int, default=1, help="the kernel's threads")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--name", default="attention-kernel")
     args = p.parse_args(argv)
@@ -93,14 +101,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         for streams in (int(s) for s in split_csv(args.streams)):
             rows.append(measure(context, streams, args))
             r = rows[-1]
-            log(f"context {context:>5} streams {streams:>2}: kernel {r['kernel_ms']:7.2f} ms"
-                + (f", sdpa {r['sdpa_ms']:7.2f} ms" if "sdpa_ms" in r else "") + f", KV read {r['kv_gb_s']:.1f} GB/s")
+            timed = ", ".join(f"{k.removeprefix('kernel_ms_') if k != 'kernel_ms' else 'float32'} {v:7.2f} ms"
+                              for k, v in r.items() if k.startswith("kernel_ms"))
+            log(f"context {context:>5} streams {streams:>2}: kernel {timed}"
+                + (f", sdpa {r['sdpa_ms']:7.2f} ms" if "sdpa_ms" in r else ""))
     print(f"\nattention over {args.layers} layers, {args.heads} heads / {args.kv_heads} KV heads of {args.head_dim}, "
-          f"1 thread{', shared context' if args.shared_context else ''}")
-    print(f"{'context':>8}{'streams':>8}{'kernel ms':>11}{'sdpa ms':>10}{'KV GB/s':>9}")
+          f"{args.threads} kernel thread(s){', shared context' if args.shared_context else ''}")
+    dtypes = split_csv(args.kv_dtypes)
+    print(f"{'context':>8}{'streams':>8}" + "".join(f"{d + ' ms':>13}{'GB/s':>7}" for d in dtypes) + f"{'sdpa ms':>10}")
     for r in rows:
-        print(f"{r['context']:>8}{r['streams']:>8}{r['kernel_ms']:>11.2f}{r.get('sdpa_ms', float('nan')):>10.2f}"
-              f"{r['kv_gb_s']:>9.1f}")
+        cells = "".join(f"{r['kernel_ms' + ('' if d == 'float32' else '_' + d)]:>13.2f}"
+                        f"{r['kv_gb_s' + ('' if d == 'float32' else '_' + d)]:>7.1f}" for d in dtypes)
+        print(f"{r['context']:>8}{r['streams']:>8}{cells}{r.get('sdpa_ms', float('nan')):>10.2f}")
     json_path, _ = result_paths(args.name)
     write_json(json_path, {"meta": run_metadata(args), "rows": rows})
     return 0

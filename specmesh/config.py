@@ -103,6 +103,9 @@ class EngineConfig:
     max_threads_min_tokens: int = 8    # 1 = every step (a verifier sharing its host with an idle draft service)
     block_size: int = 16               # tokens per KV block
     kv_cache_memory_mb: int = 512      # KV pool budget (the CPU analogue of --gpu-memory-utilization)
+    kv_cache_dtype: str = "auto"       # KV cache elements: float16 (half the bytes of float32: twice the tokens in the
+                                       # budget, half the reads), float32, or auto (float16 for int8 / int4 models
+                                       # where the attention kernel runs, else the model's dtype)
     num_kv_blocks: int = 0             # exact pool size in blocks; 0 = derive from kv_cache_memory_mb
     max_num_batched_tokens: int = 512  # token budget of one forward (chunked prefill beyond it)
     step_cost_factor: float = 2.0      # a step carrying decodes costs <= this x its decodes alone (measured); 0 = off

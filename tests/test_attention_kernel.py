@@ -163,3 +163,41 @@ def test_512_bit_code_gives_the_bits_of_the_256_bit_code(heads: int, kv_heads: i
     assert set(outs) == {"avx2", "avx512"}
     for narrow, wide in zip(outs["avx2"], outs["avx512"], strict=True):
         assert torch.equal(narrow, wide)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 2, 128), (14, 2, 64), (5, 1, 24), (3, 3, 8)])
+def test_a_half_cache_gives_the_bits_of_its_values_in_a_float_cache(heads: int, kv_heads: int, head_dim: int) -> None:
+    """kv_cache_dtype float16: every half float is a float, and the kernel converts each key and value as it reads it,
+    so a row over a half cache has exactly the bits of the same row over a float32 cache holding those values, on
+    either code path, any thread count, in tiles or alone; and it stays close to float64 attention over them."""
+    g = torch.Generator().manual_seed(heads + head_dim)
+    keys16 = (torch.randn(700, kv_heads, head_dim, generator=g) * 2).half()
+    values16 = torch.randn(700, kv_heads, head_dim, generator=g).half()
+    keys, values = keys16.float(), values16.float()
+    chain = torch.randperm(700, generator=g)[:530].to(torch.int32)
+    lengths = torch.arange(515, 530)                  # a chain's rows: tiles of 8 rows
+    query = torch.randn(len(lengths), heads, head_dim, generator=g)
+    rows = [chain[:5].tolist(), chain[:300].tolist(), chain[:17].tolist()]
+
+    def calls(k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+        tiled = [attention_kernel.paged_attention(query, k, v, chain, torch.zeros(len(lengths), dtype=torch.long),
+                                                  lengths, 529, head_dim ** -0.5, threads=threads)
+                 for threads in (1, 2)]
+        return [*tiled, run(query[:3], k, v, rows, head_dim ** -0.5)]
+
+    initial = attention_kernel.code_path()
+    paths = attention_kernel.CODE_PATHS if initial == "avx512" else ("avx2",)
+    try:
+        for path in paths:
+            attention_kernel.code_path(path)
+            for half, full in zip(calls(keys16, values16), calls(keys, values), strict=True):
+                assert half.dtype == torch.float32 and torch.equal(half, full)
+    finally:
+        attention_kernel.code_path(initial)
+    torch.testing.assert_close(run(query[:3], keys16, values16, rows, head_dim ** -0.5).double(),
+                               reference(query[:3], keys, values, rows, head_dim ** -0.5), rtol=1e-5, atol=1e-6)
+
+
+def test_the_kernel_takes_float32_and_float16_caches() -> None:
+    assert attention_kernel.supports(128, torch.float16)
+    assert not attention_kernel.supports(128, torch.bfloat16)

@@ -136,8 +136,9 @@ def test_the_draft_length_follows_the_verifiers_token_cost() -> None:
 @contextlib.asynccontextmanager
 async def verifier_with_forward_time(seconds: Callable[[int], float]) -> AsyncIterator[tuple[Running, Any]]:
     """An int8 tiny verifier whose every forward also sleeps seconds(tokens in the forward) (the tiny model's own
-    time is overhead and noise, with no slope to find), and a stub to it."""
-    verifier = await start_verifier(dtype="int8", decode_ahead_tokens=0)
+    time is overhead and noise, with no slope to find), and a stub to it. Its KV cache is float32 (not int8's half
+    cache), as an unquantized draft's: the tests that draft with the target itself rely on near-total acceptance."""
+    verifier = await start_verifier(dtype="int8", decode_ahead_tokens=0, kv_cache_dtype="float32")
     runner = verifier.engine.runner
     forward_flat = runner.forward_flat
 

@@ -18,11 +18,12 @@ from tests.stack import start_draft, start_gateway, start_verifier
 from tests.test_e2e_greedy import PROMPTS, generate
 
 
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
-def test_k_token_forward_is_bit_identical_to_one_token_steps(dtype: str) -> None:
+@pytest.mark.parametrize(("dtype", "kv_dtype"), [("int8", torch.float32), ("int4", torch.float32),
+                                               ("int4", torch.float16)])
+def test_k_token_forward_is_bit_identical_to_one_token_steps(dtype: str, kv_dtype: torch.dtype) -> None:
     model = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir("tiny-target")), dtype=torch.float32)
     QUANTIZERS[dtype][0](model)
-    runner = ModelRunner(model, num_blocks=64, block_size=4, batch_invariant=True)
+    runner = ModelRunner(model, num_blocks=64, block_size=4, kv_dtype=kv_dtype, batch_invariant=True)
     ids = torch.randint(3, 500, (20,), generator=torch.Generator().manual_seed(0)).tolist()
     table = list(range(16))          # block b holds positions 4b .. 4b + 3
     runner.forward([ForwardItem(ids[:12], 0, table, 1)])
@@ -40,10 +41,13 @@ def test_dynamic_int8_is_not_batch_invariant() -> None:
     assert not torch.equal(layer(x)[0], layer(x[:1])[0])
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session", params=["int8", "int4"])
+@pytest_asyncio.fixture(scope="module", loop_scope="session",
+                        params=[("int8", "auto"), ("int4", "auto"), ("int4", "float32")])
 async def quantized_stack(request):
-    verifier = await start_verifier(dtype=request.param)
-    same = await start_draft("tiny-draft", dtype=request.param)
+    """A quantized verifier and draft, on half KV caches ("auto" for int8 / int4) and on float32 ones."""
+    dtype, kv_cache_dtype = request.param
+    verifier = await start_verifier(dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    same = await start_draft("tiny-draft", dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     unrelated = await start_draft("tiny-draft-unrelated")
     gateways = {"same": await start_gateway(verifier.addr, same.addr),
                 "unrelated": await start_gateway(verifier.addr, unrelated.addr)}

@@ -1,7 +1,8 @@
 """Loads the batch-invariant paged attention kernel (`attention_kernel.c`), built once by `cpu_build`.
 
-`paged_attention_forward` uses it in rowwise mode (int8 and int4 models) when the cache and queries are float32 and
-the head size is a multiple of 8; otherwise, or where it cannot be built, attention falls back to per-row SDPA. Rows
+`paged_attention_forward` uses it in rowwise mode (int8 and int4 models) when the queries are float32, the cache
+float32 or float16 (`EngineConfig.kv_cache_dtype`; half values are converted to float as they are read) and the head
+size is a multiple of 8; otherwise, or where it cannot be built, attention falls back to per-row SDPA. Rows
 that share a key list (a chain's new tokens) run in tiles that read each key block once for all of them; tiles (and
 a short batch's KV heads) are split over the kernel's own thread pool (`cpu_pool.h`), as many threads as the
 step's budget (kernel_threads.py); every output is computed the same way whatever the split. Where the CPU has
@@ -31,7 +32,8 @@ def library() -> ctypes.CDLL | None:
     lib = load_optional(SOURCE, "using per-row SDPA")
     if lib is None:
         return None
-    lib.sm_paged_attention.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, ctypes.c_int]
+    lib.sm_paged_attention.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, ctypes.c_int,
+                                       ctypes.c_int]
     lib.sm_paged_attention.restype = None
     lib.sm_row_tile.restype = ctypes.c_int
     lib.sm_attention_wide.argtypes = [ctypes.c_int]
@@ -74,19 +76,25 @@ def scratch(num_floats: int) -> torch.Tensor:
     return buffer
 
 
+CACHE_DTYPES = (torch.float32, torch.float16)   # the cache element types the kernel reads (half: converted on load)
+
+
 def supports(head_dim: int, dtype: torch.dtype) -> bool:
-    return dtype == torch.float32 and head_dim % 8 == 0 and library() is not None
+    """Whether the kernel runs a cache of `dtype` with this head size (queries are float32 either way)."""
+    return dtype in CACHE_DTYPES and head_dim % 8 == 0 and library() is not None
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, key_slots: torch.Tensor,
                     row_start: torch.Tensor, row_len: torch.Tensor, max_len: int, scale: float,
                     threads: int | None = None) -> torch.Tensor:
-    """query [T, H, D] float32; key_cache, value_cache [num_slots, kvH, D] (a layer's pool, viewed flat by slot);
+    """query [T, H, D] float32; key_cache, value_cache [num_slots, kvH, D] float32 or float16 (a layer's pool, viewed
+    flat by slot; a half cache's keys and values are converted to float32 as they are read);
     row t attends to key_slots[row_start[t] : row_start[t] + row_len[t]] (int32 slot ids, in key order).
     Runs on `threads` threads (default: the step's kernel threads, kernel_threads.py); the numbers do not depend on
     it. Returns [T, H, D]."""
     lib = library()
     assert lib is not None, "check supports() first"
+    assert key_cache.dtype == value_cache.dtype and key_cache.dtype in CACHE_DTYPES, key_cache.dtype
     rows, heads, head_dim = query.shape
     threads = max(1, num_kernel_threads() if threads is None else threads)
     query = query.contiguous()
@@ -94,5 +102,5 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     work = scratch(threads * row_tile() * heads * (max(1, max_len) + 1))   # per thread: a tile's probs, inv
     lib.sm_paged_attention(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), key_slots.data_ptr(),
                            row_start.data_ptr(), row_len.data_ptr(), rows, heads, key_cache.shape[1], head_dim,
-                           scale, work.data_ptr(), out.data_ptr(), threads)
+                           scale, work.data_ptr(), out.data_ptr(), threads, int(key_cache.dtype == torch.float16))
     return out

@@ -19,7 +19,8 @@ For each head x of q and k, with c = cos[t, i], s = sin[t, i] of the token's pos
 
 which is transformers' `q * cos + rotate_half(q) * sin` bit for bit (negation is exact, and GCC contracts nothing into
 an FMA under -std=c11). The rotated queries go to query_out [T, H, D]; the rotated keys and the values go straight to
-their slots of the layer's paged cache ([num_slots, kvH, D] viewed flat), so no key tensor is ever materialised.
+their slots of the layer's paged cache ([num_slots, kvH, D] viewed flat; floats, or half floats rounded to nearest
+even), so no key tensor is ever materialised.
 Elementwise: every token's numbers are independent of what shares the forward.
 */
 
@@ -58,17 +59,38 @@ static inline void rotate(const float *x, const float *c, const float *s, int64_
     }
 }
 
+/* n floats to dst: as they are (float cache), or rounded to IEEE half floats, to nearest even (half cache: the
+   rounding torch's .to(torch.float16) does, so both forwards store the same bits). */
+static void store_row(const float *src, void *dst, int64_t n, int half) {
+    if (!half) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *out = dst;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) out[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
+/* kv_half: the caches hold IEEE half floats (EngineConfig.kv_cache_dtype "float16"), else floats. */
 void sm_rope_store(const float *qkv, int64_t rows, int64_t heads, int64_t kv_heads, int64_t d, const float *cos,
-                   const float *sin, const int64_t *slots, float *key_cache, float *value_cache, float *query_out) {
+                   const float *sin, const int64_t *slots, void *key_cache, void *value_cache, float *query_out,
+                   int kv_half) {
     const int64_t half = d / 2, width = (heads + 2 * kv_heads) * d, kv_stride = kv_heads * d;
+    const size_t element = kv_half ? sizeof(uint16_t) : sizeof(float);
+    float rotated[d];
     for (int64_t t = 0; t < rows; t++) {
         const float *x = qkv + t * width, *c = cos + t * half, *s = sin + t * half;
         for (int64_t h = 0; h < heads; h++)
             rotate(x + h * d, c, s, half, query_out + (t * heads + h) * d);
-        float *k = key_cache + slots[t] * kv_stride;
-        for (int64_t h = 0; h < kv_heads; h++)
-            rotate(x + (heads + h) * d, c, s, half, k + h * d);
-        memcpy(value_cache + slots[t] * kv_stride, x + (heads + kv_heads) * d, (size_t)kv_stride * sizeof(float));
+        char *k = (char *)key_cache + (size_t)(slots[t] * kv_stride) * element;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            rotate(x + (heads + h) * d, c, s, half, rotated);
+            store_row(rotated, k + (size_t)(h * d) * element, d, kv_half);
+        }
+        store_row(x + (heads + kv_heads) * d, (char *)value_cache + (size_t)(slots[t] * kv_stride) * element,
+                  kv_stride, kv_half);
     }
 }
 

@@ -51,9 +51,11 @@ class ModelRunner:
         num_layers, num_kv_heads, head_dim = kv_cache_geometry(model)
         dtype = kv_dtype or next(model.parameters()).dtype
         self.cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype)
-        self.decoder = Qwen2Decoder(model) if own_forward and dtype == torch.float32 and supports(model) else None
+        own_cache = dtype in (torch.float32, torch.float16)             # what its rope_store writes
+        self.decoder = Qwen2Decoder(model) if own_forward and own_cache and supports(model) else None
         if self.decoder is None and is_fused(model):
-            raise ValueError("a model with fused projections runs only on specmesh's forward (float32 KV cache)")
+            raise ValueError("a model with fused projections runs only on specmesh's forward (float32 or float16 KV "
+                             "cache)")
         # int4 linears run on their own thread pool: torch's ops then stay on one thread (see forward_flat)
         self.own_kernel_threads = any(isinstance(m, Int4GroupLinear) for m in model.modules())
         # Asked between layers of specmesh's forward: True abandons the forward (ForwardInterrupted). The engine sets

@@ -9,15 +9,15 @@ by every layer.
 Two ways to attend:
 
 * batched (float models): one masked SDPA call over the whole batch, queries and keys padded to the longest.
-* rowwise (batch-invariant, int8 and int4 models): with a float32 cache, `attention_kernel.c` runs every new token
-  as its own row over the list of its key slots, read straight from the block pool (no gather, no padding; built
-  once per forward in `RowKeys`); its sums run in an order fixed by the row's own keys. Without the kernel (no C
-  compiler, another dtype), every new token is its own 1-query SDPA row over its own context
-  padded to `L = ceil(context / bucket) * bucket` keys (bucket: 64 tokens rounded up to whole blocks). A one-token
-  decode runs the same row, so a token's numbers are bit-identical whether it is verified in a block of k, decoded
-  alone, or shares the forward with other sequences (SDPA's output for a 1-query row depends only on that row's keys and
-  key length, checked in tests/test_batched_attention.py). The rows of one sequence that share a key length run in
-  one call over that sequence's keys (expanded, not copied).
+* rowwise (batch-invariant, int8 and int4 models): with a float32 or float16 cache, `attention_kernel.c` runs every
+  new token as its own row over the list of its key slots, read straight from the block pool (no gather, no padding;
+  built once per forward in `RowKeys`); its sums run in an order fixed by the row's own keys. Without the kernel (no
+  C compiler, another dtype), every new token is its own 1-query SDPA row over its own context (keys and values in
+  the query's dtype) padded to `L = ceil(context / bucket) * bucket` keys (bucket: 64 tokens rounded up to whole
+  blocks). A one-token decode runs the same row, so a token's numbers are bit-identical whether it is verified in a
+  block of k, decoded alone, or shares the forward with other sequences (SDPA's output for a 1-query row depends only
+  on that row's keys and key length, checked in tests/test_batched_attention.py). The rows of one sequence that share
+  a key length run in one call over that sequence's keys (expanded, not copied).
 
 Tree verification hook: `SeqSlice.query_mask` [q, q] bool says which new tokens each new token sees (None = causal;
 for a tree: its ancestors and itself, in topological order); the new tokens' position ids are the runner's business.

@@ -92,7 +92,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     lib.sm_add_rms_norm.argtypes = [_P, _P, _P, _I, _I, ctypes.c_float, _P]
     lib.sm_add_rms_norm.restype = None
-    lib.sm_rope_store.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P]
+    lib.sm_rope_store.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, ctypes.c_int]
     lib.sm_rope_store.restype = None
     return lib
 
@@ -218,7 +218,7 @@ class Qwen2Decoder:
         k_cache, v_cache = batch.cache.key_caches[index], batch.cache.value_caches[index]
         self.lib.sm_rope_store(qkv.data_ptr(), rows, self.num_heads, self.num_kv_heads, self.head_dim,
                                cos.data_ptr(), sin.data_ptr(), batch.slot_mapping.data_ptr(), k_cache.data_ptr(),
-                               v_cache.data_ptr(), query.data_ptr())
+                               v_cache.data_ptr(), query.data_ptr(), int(k_cache.dtype == torch.float16))
         out = attend(batch, index, query, self.scaling)                             # [T, H, D]
         projected: torch.Tensor = attn.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
         return projected
