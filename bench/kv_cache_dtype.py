@@ -3,12 +3,15 @@ forward, the two engines' forwards alternating in one process so the machine's d
 
     python -m bench.kv_cache_dtype                                   # 1.5B int4, 1 and 8 streams, 1k and 4k keys
     python -m bench.kv_cache_dtype --streams 8,16 --contexts 2000 --rounds 7
+    python -m bench.kv_cache_dtype --streams 1 --contexts 1000 --agreement-tokens 1500 --reference-float32
 
 S streams decode one token each, stream s over its own `context` cached tokens (its own blocks), in one forward:
 the step of S users chatting over long documents. Each stream's decode row reads its whole context's keys and
 values, so past a few thousand tokens the step is bound by that pass over the KV, which a half cache halves. The
 cache is not prefilled (its zeros cost what real keys do: the kernels do not branch on values), so a 4k context
-costs no 4k-token prefill. Prints a table and writes bench/results/<name>-*.json.
+costs no 4k-token prefill. --agreement-tokens N: the two caches' top-1 choices over N tokens of workload text,
+teacher-forced (prefilled in 256-token chunks), compared position by position, and with --reference-float32 each
+against the float32 model on a float32 cache. Prints a table and writes bench/results/<name>-*.json.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from bench.common import log, result_paths, run_metadata, split_csv, write_json
+from bench.common import DEFAULT_WORKLOAD, load_workload, log, result_paths, run_metadata, split_csv, write_json
 from specmesh.config import EngineConfig
 from specmesh.engine.build import EngineParts, build_engine_parts
 from specmesh.engine.model_runner import ForwardItem
@@ -60,6 +63,34 @@ def measure(parts: dict[str, EngineParts], streams: int, context: int, args: arg
     return row
 
 
+def top1(parts: EngineParts, ids: list[int], chunk: int = 256) -> torch.Tensor:
+    """The model's argmax after every position of `ids` (teacher-forced), prefilled chunk by chunk."""
+    table = list(range(-(-len(ids) // BLOCK)))
+    return torch.cat([parts.runner.forward([ForwardItem(ids[s:s + chunk], s, table, len(ids[s:s + chunk]))])[0]
+                      .argmax(-1) for s in range(0, len(ids), chunk)])
+
+
+def agreement(parts: dict[str, EngineParts], args: argparse.Namespace) -> dict[str, float]:
+    """Top-1 agreement of the two caches, and with --reference-float32 of each with the float32 model."""
+    tokenizer = parts["float32"].loaded.tokenizer
+    ids: list[int] = []
+    for prompt in load_workload(DEFAULT_WORKLOAD):
+        ids.extend(tokenizer(prompt.prompt)["input_ids"])
+        if len(ids) >= args.agreement_tokens:
+            break
+    ids = ids[:args.agreement_tokens]
+    choices = {d: top1(p, ids) for d, p in parts.items()}
+    out = {"tokens": float(len(ids)),
+           "float16_vs_float32_cache": float((choices["float16"] == choices["float32"]).float().mean())}
+    if args.reference_float32:
+        reference = top1(build_engine_parts(EngineConfig(model=args.preset, dtype="float32", kv_cache_dtype="float32",
+                                                         num_kv_blocks=len(ids) // BLOCK + 2, block_size=BLOCK,
+                                                         num_threads=args.threads)), ids)
+        for d, c in choices.items():
+            out[f"{d}_cache_vs_float32_model"] = float((c == reference).float().mean())
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen2.5-coder-1.5b")
@@ -69,10 +100,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5, help="rounds of both engines, alternating")
     p.add_argument("--reps", type=int, default=5, help="forwards per engine and round (the median of all counts)")
+    p.add_argument("--agreement-tokens", type=int, default=0, help="top-1 agreement over this many tokens (0 = skip)")
+    p.add_argument("--reference-float32", action="store_true", help="... also against the float32 model")
     p.add_argument("--name", default="kv-cache-dtype")
     args = p.parse_args(argv)
     streams, contexts = [int(s) for s in split_csv(args.streams)], [int(c) for c in split_csv(args.contexts)]
-    num_blocks = max(streams) * -(-(max(contexts) + 1) // BLOCK)
+    num_blocks = max(max(streams) * -(-(max(contexts) + 1) // BLOCK), args.agreement_tokens // BLOCK + 2)
     parts = engines(args, num_blocks)
     torch.set_num_threads(args.threads)
     rows = []
@@ -87,8 +120,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in rows:
         print(f"{r['streams']:>8}{r['context']:>9}{r['float32_ms']:>10.1f}{r['float16_ms']:>10.1f}"
               f"{r['speedup']:>8.2f}x")
+    agreed = agreement(parts, args) if args.agreement_tokens else {}
+    if agreed:
+        print(f"top-1 agreement over {int(agreed['tokens'])} tokens: " + ", ".join(
+            f"{k} {v:.4f}" for k, v in agreed.items() if k != "tokens"))
     json_path, _ = result_paths(args.name)
-    write_json(json_path, {"meta": run_metadata(args), "rows": rows})
+    write_json(json_path, {"meta": run_metadata(args), "rows": rows, "agreement": agreed})
     return 0
 
 
