@@ -19,7 +19,7 @@ from specmesh.engine.guesses import MAX_GUESSES, GuessRate, best_num_guesses, gu
 from specmesh.models import resolve_model_dir
 from specmesh.spec.sampling import SamplingParams
 from tests.stack import start_verifier
-from tests.test_decode_ahead import ahead_metric, target_only, wait_ahead
+from tests.test_decode_ahead import KV_CACHE, ahead_metric, target_only, wait_ahead
 from tests.test_e2e_greedy import PROMPTS, wait_blocks_free
 
 X = 99
@@ -88,6 +88,7 @@ async def test_guesses_decode_several_tokens_per_ahead_step_and_stay_exact(token
     prompt_ids = tokenizer(PROMPTS[3])["input_ids"]
     n, max_new = len(prompt_ids), 60
     expected = await target_only(prompt_ids, max_new + 8)
+    assert not {0, 2} & set(expected)        # the tiny target's ends of sequence: decoding ahead stops at one
     guessed_at: list[int] = []
 
     def oracle(context_ids: list[int], max_guesses: int, eos_token_ids: object) -> list[int]:
@@ -97,7 +98,7 @@ async def test_guesses_decode_several_tokens_per_ahead_step_and_stay_exact(token
         return guesses[:-1] + [X] if len(guessed_at) % 2 and guesses else guesses
 
     monkeypatch.setattr("verifier_service.decode_ahead.guess", oracle)
-    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=6)
+    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=6, kv_cache_dtype=KV_CACHE)
     engine = verifier.engine
     engine.ahead.guesses = True
     engine.forward_cost.fit = lambda num_threads: Fit(0.0, 8, 0.0)      # as if rows were free on this CPU
@@ -125,7 +126,7 @@ async def test_rounds_without_drafts_guess_only_for_a_speculative_session(tokeni
     """A target-only request (speculative False) gets plain target decoding; a request that drafts says so at the
     start, and its rounds without drafts (the gateway chose none) still guess while decoding ahead."""
     monkeypatch.setattr("verifier_service.decode_ahead.guess", lambda context_ids, g, eos: [11] * g)
-    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=6)
+    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=6, kv_cache_dtype=KV_CACHE)
     engine = verifier.engine
     engine.ahead.guesses = True
     engine.forward_cost.fit = lambda num_threads: Fit(0.0, 8, 0.0)

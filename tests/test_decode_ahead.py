@@ -27,6 +27,10 @@ from tests.test_paged_verifier import handle_posted
 from verifier_service.ahead import match_ahead, subtree
 
 A, B, C, D, E, X = 11, 12, 13, 14, 15, 99
+# The int8 verifiers here keep a float32 KV cache: the tests wait for tokens decoded ahead, which stop at an end of
+# sequence, and PROMPTS[3]'s int8 output has none in its first 68 tokens on a float32 cache (on int8's default half
+# cache one comes at 32, and whether a guess step jumps past it depends on timing)
+KV_CACHE = "float32"
 
 
 # ---- plain ints ------------------------------------------------------------------------------------------------
@@ -86,7 +90,7 @@ async def wait_ahead(engine, session_id: str, num_tokens: int, timeout_s: float 
 
 
 async def test_verifies_leave_with_the_tokens_decoded_ahead_and_stay_exact(tokenizer) -> None:
-    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=5)
+    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=5, kv_cache_dtype=KV_CACHE)
     engine = verifier.engine
     try:
         prompt_ids = tokenizer(PROMPTS[3])["input_ids"]
@@ -131,7 +135,7 @@ def ahead_metric(engine, outcome: str) -> float | None:
 
 
 async def target_only(prompt_ids: list[int], n: int, params: SamplingParams | None = None) -> list[int]:
-    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=0)
+    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=0, kv_cache_dtype=KV_CACHE)
     try:
         engine = verifier.engine
         output = list((await engine.start_session("t", prompt_ids, params or SamplingParams()).future).token_ids)
@@ -164,7 +168,7 @@ async def test_float32_tokens_decoded_ahead_are_transformers_greedy(tokenizer) -
 async def test_an_ahead_step_gives_way_and_decoding_stays_exact(tokenizer) -> None:
     """A step that only decodes ahead, told to give way before its first layer, leaves no trace: no token, its KV
     slot dropped, and the next verify runs and decodes ahead as before."""
-    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=3)
+    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=3, kv_cache_dtype=KV_CACHE)
     engine = verifier.engine
     try:
         prompt_ids = tokenizer(PROMPTS[3])["input_ids"]
@@ -193,7 +197,7 @@ async def test_an_ahead_step_gives_way_and_decoding_stays_exact(tokenizer) -> No
 async def test_an_ahead_step_beside_other_sessions_rows_runs_on(tokenizer) -> None:
     """A verify of one session does not throw away a step that decodes ahead for another session too: both get
     their tokens (no step given way). Once every session of such a step has a verify waiting, it gives way."""
-    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=3)
+    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=3, kv_cache_dtype=KV_CACHE)
     engine = verifier.engine
     try:
         engine.ahead.max_tokens = 0
