@@ -8,14 +8,14 @@ from __future__ import annotations
 from specmesh.engine.forward_cost import Fit
 from specmesh.spec.sampling import SamplingParams
 from tests.stack import start_verifier
-from tests.test_decode_ahead import target_only, tokenizer, wait_ahead  # noqa: F401  (fixture)
+from tests.test_decode_ahead import KV_CACHE, target_only, tokenizer, wait_ahead  # noqa: F401  (fixture)
 from tests.test_e2e_greedy import wait_blocks_free
 
 REPEATING = "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2"
 
 
 async def test_drafts_that_agree_with_the_steps_guesses_leave_it_running(tokenizer) -> None:  # noqa: F811
-    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=0)
+    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=0, kv_cache_dtype=KV_CACHE)
     engine = verifier.engine
     try:
         prompt_ids = tokenizer(REPEATING)["input_ids"]
@@ -46,7 +46,7 @@ async def test_an_ahead_step_records_its_guesses_while_it_runs(tokenizer, monkey
     """The engine thread names each session's guesses for the forward it runs, and nothing once it is done (the
     tiny model's output never repeats, so prompt lookup is stood in for)."""
     monkeypatch.setattr("verifier_service.decode_ahead.guess", lambda context_ids, g, eos: [11] * g)
-    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=0)
+    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=0, kv_cache_dtype=KV_CACHE)
     engine = verifier.engine
     seen: list[dict[str, list[int]]] = []
     forward = engine.runner.forward_flat

@@ -14,7 +14,7 @@ from specmesh.models import resolve_model_dir
 from specmesh.spec.rejection import SparseDist
 from specmesh.spec.sampling import SamplingParams
 from tests.stack import start_verifier
-from tests.test_decode_ahead import D, X, target_only, wait_ahead
+from tests.test_decode_ahead import KV_CACHE, D, X, target_only, wait_ahead
 from tests.test_e2e_greedy import PROMPTS, wait_blocks_free
 from tests.test_sampling_e2e import assert_follows, target_probs
 
@@ -27,7 +27,7 @@ async def test_seeded_sessions_decode_ahead_and_keep_their_seeded_tokens(tokeniz
     """A seeded session's ahead tokens are its seeded draws: the output equals the same seed's target-only output."""
     params = SamplingParams(temperature=1.0, top_k=8, seed=7)
     prompt_ids = tokenizer(PROMPTS[0])["input_ids"]
-    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=4)
+    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=4, kv_cache_dtype=KV_CACHE)
     engine = verifier.engine
     try:
         output = list((await engine.start_session("r", prompt_ids, params, max_new_tokens=16).future).token_ids)
@@ -49,7 +49,7 @@ async def test_unseeded_sampled_sessions_decode_ahead_until_they_verify_model_dr
     params = SamplingParams(temperature=1.0, top_k=8)
     prompt_ids = tokenizer(PROMPTS[0])["input_ids"]
     n = len(prompt_ids)
-    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=3)
+    verifier = await start_verifier(dtype="int8", block_size=4, decode_ahead_tokens=3, kv_cache_dtype=KV_CACHE)
     engine = verifier.engine
     try:
         output = list((await engine.start_session("u", prompt_ids, params, max_new_tokens=40).future).token_ids)
