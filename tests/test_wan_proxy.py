@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from bench.wan_proxy import TokenBucket, WanProxy
+from tests.redis_server import free_port
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -118,7 +119,7 @@ def test_token_bucket_serializes_at_rate() -> None:
 async def test_cli_forwards() -> None:
     server = await asyncio.start_server(echo, "127.0.0.1", 0)
     target = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    listen_port = 56000 + os.getpid() % 7000
+    listen_port = free_port()          # (a port from the pid had met a socket already bound there)
     proc = subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, "bench", "wan_proxy.py"),
                              "--listen", f"127.0.0.1:{listen_port}", "--target", target, "--rtt-ms", "40",
                              "--bandwidth-mbps", "10"], stdout=subprocess.PIPE, text=True)
