@@ -29,6 +29,11 @@ BLOCK = 16
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
+def column(name: str, dtype: str) -> str:
+    """A row's key for a per-cache-type figure: `name` for float32 (the columns before --kv-dtypes), else suffixed."""
+    return name if dtype == "float32" else f"{name}_{dtype}"
+
+
 def pools(num_layers: int, num_slots: int, kv_heads: int, head_dim: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     return [(torch.randn(num_slots, kv_heads, head_dim, generator=g), torch.randn(num_slots, kv_heads, head_dim,
@@ -69,9 +74,8 @@ def measure(context: int, streams: int, args: argparse.Namespace) -> dict[str, f
     for dtype in split_csv(args.kv_dtypes):
         cast = [(k.to(KV_DTYPES[dtype]), v.to(KV_DTYPES[dtype])) for k, v in layers]
         ms = fastest_s(kernel_call(cast, query, slots, args.threads), args.reps) * 1e3
-        suffix = "" if dtype == "float32" else f"_{dtype}"
-        row[f"kernel_ms{suffix}"] = ms
-        row[f"kv_gb_s{suffix}"] = kv_elements * KV_DTYPES[dtype].itemsize / ms / 1e6
+        row[column("kernel_ms", dtype)] = ms
+        row[column("kv_gb_s", dtype)] = kv_elements * KV_DTYPES[dtype].itemsize / ms / 1e6
     if args.sdpa:
         row["sdpa_ms"] = fastest_s(sdpa_call(layers, query, slots), args.reps) * 1e3
     return row
@@ -97,21 +101,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     torch.set_num_threads(1)
     rows = []
+    dtypes = split_csv(args.kv_dtypes)
     for context in (int(c) for c in split_csv(args.contexts)):
         for streams in (int(s) for s in split_csv(args.streams)):
             rows.append(measure(context, streams, args))
             r = rows[-1]
-            timed = ", ".join(f"{k.removeprefix('kernel_ms_') if k != 'kernel_ms' else 'float32'} {v:7.2f} ms"
-                              for k, v in r.items() if k.startswith("kernel_ms"))
+            timed = ", ".join(f"{d} {r[column('kernel_ms', d)]:7.2f} ms" for d in dtypes)
             log(f"context {context:>5} streams {streams:>2}: kernel {timed}"
                 + (f", sdpa {r['sdpa_ms']:7.2f} ms" if "sdpa_ms" in r else ""))
     print(f"\nattention over {args.layers} layers, {args.heads} heads / {args.kv_heads} KV heads of {args.head_dim}, "
           f"{args.threads} kernel thread(s){', shared context' if args.shared_context else ''}")
-    dtypes = split_csv(args.kv_dtypes)
     print(f"{'context':>8}{'streams':>8}" + "".join(f"{d + ' ms':>13}{'GB/s':>7}" for d in dtypes) + f"{'sdpa ms':>10}")
     for r in rows:
-        cells = "".join(f"{r['kernel_ms' + ('' if d == 'float32' else '_' + d)]:>13.2f}"
-                        f"{r['kv_gb_s' + ('' if d == 'float32' else '_' + d)]:>7.1f}" for d in dtypes)
+        cells = "".join(f"{r[column('kernel_ms', d)]:>13.2f}{r[column('kv_gb_s', d)]:>7.1f}" for d in dtypes)
         print(f"{r['context']:>8}{r['streams']:>8}{cells}{r.get('sdpa_ms', float('nan')):>10.2f}")
     json_path, _ = result_paths(args.name)
     write_json(json_path, {"meta": run_metadata(args), "rows": rows})

@@ -24,13 +24,14 @@ from collections.abc import Sequence
 
 import torch
 
-from bench.common import DEFAULT_WORKLOAD, load_workload, log, result_paths, run_metadata, split_csv, write_json
+from bench.common import log, result_paths, run_metadata, split_csv, write_json
+from bench.quantized_forward import BLOCK, text_ids, top1
 from specmesh.config import EngineConfig
 from specmesh.engine.build import EngineParts, build_engine_parts
 from specmesh.engine.model_runner import ForwardItem
 
-BLOCK = 16
 KV_DTYPES = ("float32", "float16")
+AGREEMENT_CHUNK = 256        # teacher-forced prefill chunk (logits of 256 rows at a time)
 
 
 def engines(args: argparse.Namespace, num_blocks: int) -> dict[str, EngineParts]:
@@ -63,29 +64,16 @@ def measure(parts: dict[str, EngineParts], streams: int, context: int, args: arg
     return row
 
 
-def top1(parts: EngineParts, ids: list[int], chunk: int = 256) -> torch.Tensor:
-    """The model's argmax after every position of `ids` (teacher-forced), prefilled chunk by chunk."""
-    table = list(range(-(-len(ids) // BLOCK)))
-    return torch.cat([parts.runner.forward([ForwardItem(ids[s:s + chunk], s, table, len(ids[s:s + chunk]))])[0]
-                      .argmax(-1) for s in range(0, len(ids), chunk)])
-
-
 def agreement(parts: dict[str, EngineParts], args: argparse.Namespace) -> dict[str, float]:
     """Top-1 agreement of the two caches, and with --reference-float32 of each with the float32 model."""
-    tokenizer = parts["float32"].loaded.tokenizer
-    ids: list[int] = []
-    for prompt in load_workload(DEFAULT_WORKLOAD):
-        ids.extend(tokenizer(prompt.prompt)["input_ids"])
-        if len(ids) >= args.agreement_tokens:
-            break
-    ids = ids[:args.agreement_tokens]
-    choices = {d: top1(p, ids) for d, p in parts.items()}
+    ids = text_ids(parts["float32"].loaded.tokenizer, args.agreement_tokens)
+    choices = {d: top1(p.runner, ids, AGREEMENT_CHUNK) for d, p in parts.items()}
     out = {"tokens": float(len(ids)),
            "float16_vs_float32_cache": float((choices["float16"] == choices["float32"]).float().mean())}
     if args.reference_float32:
         reference = top1(build_engine_parts(EngineConfig(model=args.preset, dtype="float32", kv_cache_dtype="float32",
                                                          num_kv_blocks=len(ids) // BLOCK + 2, block_size=BLOCK,
-                                                         num_threads=args.threads)), ids)
+                                                         num_threads=args.threads)).runner, ids, AGREEMENT_CHUNK)
         for d, c in choices.items():
             out[f"{d}_cache_vs_float32_model"] = float((c == reference).float().mean())
     return out

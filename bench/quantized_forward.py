@@ -47,10 +47,13 @@ def forward_ms(runner: ModelRunner, context: list[int], k: int, reps: int) -> fl
     return statistics.median(times[1:]) * 1e3
 
 
-def top1(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
-    """argmax after every position of `ids`, one prefill."""
+def top1(runner: ModelRunner, ids: list[int], chunk: int = 0) -> torch.Tensor:
+    """argmax after every position of `ids`, teacher-forced: one prefill, or prefills of `chunk` tokens (bounding the
+    logits held at once)."""
     table = list(range(-(-len(ids) // BLOCK)))
-    return runner.forward([ForwardItem(ids, 0, table, len(ids))])[0].argmax(-1)
+    step = chunk or len(ids)
+    return torch.cat([runner.forward([ForwardItem(ids[s:s + step], s, table, len(ids[s:s + step]))])[0].argmax(-1)
+                      for s in range(0, len(ids), step)])
 
 
 def text_ids(tokenizer, num_tokens: int) -> list[int]:

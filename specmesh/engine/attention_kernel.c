@@ -166,8 +166,8 @@ static void scale_rows(int64_t num_rows, int64_t heads, int64_t h_begin, int64_t
         }
 }
 
-/* The cache-reading code, once per cache element type: float (KV_F32), IEEE half (KV_F16, converted to float on
-   load with F16C / AVX-512F). */
+/* The cache-reading code, once per cache element type: float (names ending _f32), IEEE half (_f16, converted to float
+   on load with F16C / AVX-512F). */
 #define KV_CAT2(a, b) a##b
 #define KV_CAT(a, b) KV_CAT2(a, b)
 #define KV(name) KV_CAT(name, KV_SUFFIX)
