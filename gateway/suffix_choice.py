@@ -100,7 +100,7 @@ class LoadPricing(Protocol):
 class ProposerChoice:
     def __init__(self, draft_host_share: float = 0.0) -> None:
         # The share of the verifier's compute a running draft model takes from it: 0 on a host of its own; on the
-        # verifier's host, the draft's threads over the verifier's (`specmesh up` on 2 cores: 0.5).
+        # verifier's host, the draft's threads over the verifier's (`specmesh up` on 2 shared cores: 1).
         self.draft_host_share = draft_host_share
         self._verify_base = _Decayed(0.0, 0.0)     # drafted rounds' verify times, over their growth (see verify_s)
         self.verify_slope = VERIFY_SLOPE

@@ -251,6 +251,33 @@ async def test_only_the_draft_models_blocks_leave_its_core_to_the_draft_service(
         await verifier.stop()
 
 
+async def test_a_session_drafting_with_the_model_leaves_the_cores_to_the_draft_service(tokenizer) -> None:
+    """With decode_ahead_beside_drafts off (the draft service on the verifier's cores, as `specmesh up` runs it), a
+    session whose last or second-to-last verify carried the draft model's block decodes nothing ahead (its caller is
+    likely drafting with the model: model rounds alternate with n-gram rounds); two verifies of n-gram or cache
+    drafts (no model runs) later it decodes ahead as before. Its output stays target-only greedy's."""
+    verifier = await start_verifier(decode_ahead_tokens=2)
+    engine = verifier.engine
+    engine.ahead.beside_drafts = False
+    try:
+        prompt_ids = tokenizer(PROMPTS[3])["input_ids"]
+        output = list((await engine.start_session("s", prompt_ids, SamplingParams(), max_new_tokens=40).future)
+                      .token_ids)
+        await wait_ahead(engine, "s", len(prompt_ids) + len(output) + 2)
+        for model_drafts, decodes_ahead in ((True, False), (False, False), (False, True), (True, False)):
+            output += (await engine.verify("s", [X, X, X, X], None, model_drafts=model_drafts).future).token_ids
+            if decodes_ahead:
+                await wait_ahead(engine, "s", len(prompt_ids) + len(output) + 2)
+            else:
+                await asyncio.sleep(0.3)                     # nothing decoded ahead while the caller drafts
+                assert len(engine.sessions["s"].seq.token_ids) == len(prompt_ids) + len(output), model_drafts
+        assert output == reference_greedy(prompt_ids, len(output))
+        engine.end_session("s")
+        await wait_blocks_free(verifier)
+    finally:
+        await verifier.stop()
+
+
 async def test_idle_sessions_decode_ahead_in_the_forward_of_a_waiting_verify(tokenizer) -> None:
     """A verify that needs a forward does not run alone while another session idles: the idle session's next token
     is decoded ahead in the same forward (held back, 7 idle streams of 8 lost a forward to every such verify)."""

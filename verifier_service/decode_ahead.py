@@ -42,10 +42,17 @@ def may_decode_ahead(session: Session) -> bool:
     return params.is_greedy or params.seed is not None or not session.drafting
 
 
+# A session whose caller drafted with the model in one of its last this many verifies is likely drafting with it now:
+# a request's model rounds alternate with n-gram rounds (one stream, 2-core Intel: of 287 model rounds, 161 came
+# after a model round and 95 after an n-gram round, whose Propose took 141 ms beside an ahead step against 77 alone)
+MODEL_ROUNDS_NEAR = 2
+
+
 class DecodeAhead:
     def __init__(self, max_tokens: int, max_model_len: int, eos_token_ids: frozenset[int]) -> None:
         self.max_tokens = max_tokens     # past what the caller received; 0: never decode ahead
         self.threads = 0                 # torch threads of a step that only decodes ahead; 0 = as any step
+        self.beside_drafts = True        # sessions drafting with the draft model decode ahead too (`sessions`)
         self.guesses = False             # steps carry prompt-lookup guesses (specmesh/engine/guesses.py)
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -53,8 +60,19 @@ class DecodeAhead:
 
     def sessions(self, sessions: Iterable[Session], block_manager: BlockManager) -> list[Session]:
         """Sessions that may decode one more token ahead now (`may_decode_ahead`): idle, KV up to date, under the
-        ahead limit and their token budget, last token not an end of sequence. Never more than the free KV blocks
-        allow without preempting anybody (a quarter of the pool stays free for verifies)."""
+        ahead limit and their token budget, last token not an end of sequence; with `beside_drafts` off, not while
+        the caller is likely drafting the session's next block with the draft model (one of its last
+        MODEL_ROUNDS_NEAR verifies carried the model's block).
+        Never more than the free KV blocks allow without preempting anybody (a quarter of the pool stays free for
+        verifies).
+
+        Why off where the draft service shares the verifier's cores (`specmesh up` on one host): one stream of the
+        real pair on 2 cores (int4, Intel with AMX), a model round of 4 drafts took 200 ms with the draft on one
+        thread beside a one-thread ahead step (Propose 120-230 ms, and a Verify of 5 rows ~105 ms beside the draft
+        service drafting the next block ahead); with the draft on both cores, neither service working ahead of the
+        other, 141 ms (Propose 77 ms: 16 ms a draft token; Verify 62 ms). The one token an ahead step would decode
+        meanwhile settles a verify only when the first draft is rejected, and slows every draft token it runs
+        beside."""
         if self.max_tokens <= 0:
             return []
         bm = block_manager
@@ -64,6 +82,8 @@ class DecodeAhead:
             seq, n = s.seq, len(s.seq.token_ids)
             if room <= 0:
                 break
+            if not self.beside_drafts and s.verifies_since_model < MODEL_ROUNDS_NEAR:
+                continue
             if (s.started and not s.busy and may_decode_ahead(s) and seq.allocated and seq.num_computed == n - 1
                     and n - s.num_delivered < self.max_tokens and n < min(s.max_len, self.max_model_len)
                     and seq.token_ids[-1] not in self.eos_token_ids):

@@ -29,6 +29,7 @@ def build_verifier(config: VerifierConfig) -> tuple[ServiceServer, VerifierEngin
     engine.set_thread_policy(config.engine.num_threads_max, config.engine.max_threads_min_tokens)
     engine.set_step_budget(config.engine.step_cost_factor, config.engine.min_prefill_tokens)
     engine.ahead.threads = config.decode_ahead_threads
+    engine.ahead.beside_drafts = config.decode_ahead_beside_drafts
     engine.ahead.guesses = config.decode_ahead_guesses
     engine.gather.max_wait_s = config.batch_gather_ms / 1000
     leases = SessionLeases(config.session_lease_s)

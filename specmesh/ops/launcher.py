@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specmesh.ops.cores import draft_host_share_env, num_cores, verifier_threads_env
+from specmesh.ops.cores import draft_host_share_env, draft_threads_env, num_cores, shares_cores, verifier_threads_env
 
 PRESETS: dict[str, tuple[str, str]] = {
     "tiny": ("tiny-target", "tiny-draft"),
@@ -260,7 +260,9 @@ class Stack:
             "SPECMESH_VERIFIER_MODEL": c.target, "SPECMESH_VERIFIER_HOST": c.host,
             "SPECMESH_VERIFIER_PORT": str(c.verifier_port),
             **verifier_threads_env(c.verifier_threads or c.num_threads, num_cores(c.taskset.get("verifier", "")),
-                                   bool(c.draft), {**os.environ, **c.extra_env}),
+                                   bool(c.draft) and shares_cores(c.taskset.get("verifier", ""),
+                                                                  c.taskset.get("draft", "")),
+                                   {**os.environ, **c.extra_env}),
             **({"SPECMESH_VERIFIER_DTYPE": c.verifier_dtype} if c.verifier_dtype else {}),
             **self._telemetry_env("verifier")}
 
@@ -299,13 +301,20 @@ class Stack:
         c = self.config
         if not c.draft:
             return {}
-        return draft_host_share_env(c.num_threads, c.taskset.get("verifier", ""), c.taskset.get("draft", ""),
-                                    {**os.environ, **c.extra_env})
+        user_env = {**os.environ, **c.extra_env}
+        threads = {**self._draft_threads_env(), **user_env}["SPECMESH_DRAFT_NUM_THREADS"]
+        return draft_host_share_env(int(threads), c.taskset.get("verifier", ""), c.taskset.get("draft", ""), user_env)
+
+    def _draft_threads_env(self) -> dict[str, str]:
+        """The draft service's threads and drafting ahead (specmesh/ops/cores.py), the user's variables apart."""
+        c = self.config
+        return draft_threads_env(c.num_threads, c.taskset.get("verifier", ""), c.taskset.get("draft", ""),
+                                 {**os.environ, **c.extra_env})
 
     def _draft_env(self, port: int) -> dict[str, str]:
         c = self.config
         return {"SPECMESH_DRAFT_MODEL": c.draft, "SPECMESH_DRAFT_HOST": c.host, "SPECMESH_DRAFT_PORT": str(port),
-                "SPECMESH_DRAFT_NUM_THREADS": str(c.num_threads),
+                **self._draft_threads_env(),
                 **({"SPECMESH_DRAFT_DTYPE": c.draft_dtype} if c.draft_dtype else {})}
 
     def exited(self) -> dict[str, int]:
