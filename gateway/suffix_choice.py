@@ -28,7 +28,8 @@ acceptance per position (`gateway.adaptive.DraftLengthController`, fed only the 
 `expected_tokens`). Target-only (nothing drafted) competes too. A proposer not chosen for `PROBE_EVERY` rounds is
 chosen once, so an estimate that went wrong can recover; one whose round costs much more than the best one's waits
 longer, so that probes take at most `PROBE_BUDGET` of the time (on a CPU where verifying drafts is dear, a draft
-model round can cost five target-only rounds: probing it every 16 rounds cost a quarter of the decode time). The
+model round can cost five target-only rounds: probing it every 16 rounds cost a quarter of the decode time), a
+budget the sessions in the verifier's forward share (each gets PROBE_BUDGET / (1 + other rows)). The
 draft model is chosen over target-only until `MODEL_TRIALS` of its rounds of this request were verified: its
 acceptance differs most between requests (chat ~0.4, code ~0.9), and estimates a request starts from
 (gateway/learned_priors.py, or one slow first round) would otherwise keep it from being measured on this request.
@@ -189,8 +190,9 @@ class ProposerChoice:
             self._unchosen[p] = self._unchosen.get(p, 0) + 1
         best = max(options, key=lambda p: self.rate(p, *options[p]))
         best_s = self.round_s(best, options[best][1])
+        budget = self.probe_budget()
         starved = [p for p in drafting if p != best and self._unchosen[p] > PROBE_EVERY
-                   and self._unchosen[p] * best_s * PROBE_BUDGET >= self._probe_s(p, options[p][1], best_s)
+                   and self._unchosen[p] * best_s * budget >= self._probe_s(p, options[p][1], best_s)
                    and self.could_pay(p, options[p][1])]
         best = starved[0] if starved else best
         if best == NONE and MODEL in options and self._model_rounds < MODEL_TRIALS \
@@ -198,6 +200,15 @@ class ProposerChoice:
             best = MODEL
         self._unchosen[best] = 0
         return best
+
+    def probe_budget(self) -> float:
+        """The share of this request's time its probes may cost: PROBE_BUDGET of the verifier's, shared by the
+        sessions in its forward (1 + the other rows, smoothed), so that all of them together probe within it. Each
+        request's probes alone kept within PROBE_BUDGET of its own time: at 8 streams of the real pair (2-core Intel)
+        nearly every drafted round was a probe (~340 suffix rounds a pass of 32 requests, 2.4 drafts at ~0.45
+        accepted, where a drafted row beside 7 others costs ~0.15 of a forward), the defaults 0.94-0.98x of
+        target-only."""
+        return PROBE_BUDGET / (1.0 + max(0.0, self.load.load[0]))
 
     def _probe_s(self, proposer: str, num_tokens: int, best_s: float) -> float:
         """What a probe of `proposer` costs over the best round: its extra time, plus the tokens its rows take from

@@ -16,7 +16,7 @@ from gateway.proposers.base import NO_DRAFT, Draft
 from gateway.proposers.cost_model import RoundCostModel
 from gateway.replicas import VerifierPool
 from gateway.round_loop import Generation
-from gateway.suffix_choice import LOCAL, MODEL, NONE, PROBE_EVERY, ProposerChoice
+from gateway.suffix_choice import LOCAL, MODEL, NONE, PROBE_BUDGET, PROBE_EVERY, ProposerChoice
 from gateway.validation import GenerationParams
 from gateway.verifier_session import SessionLost
 from gateway.verify_cost import VerifyCost, load_penalty, reported
@@ -82,6 +82,23 @@ def test_under_load_a_proposer_that_could_not_pay_is_not_probed() -> None:
         choice.observe_cost(LOCAL, 0.0001)
         picks = [choice.choose({LOCAL: (0.01, 8)}) for _ in range(num_rounds)]
         assert (LOCAL in picks) == probed, other_rows
+
+
+def test_the_sessions_in_a_forward_share_one_probe_budget() -> None:
+    """A one-token suffix proposal that could pay at its best but is expected to bring little: alone it is probed
+    every PROBE_EVERY + 1 rounds; beside 7 busy rows its probes (each taking ~0.7 tokens from them) come about 8x
+    less often, so the 8 sessions' probes together cost what one stream's would."""
+    gaps = {}
+    for other_rows in (0, 7):
+        choice = measured(other_rows)
+        choice.observe_cost(LOCAL, 0.0001)
+        assert choice.could_pay(LOCAL, 1)
+        picks = [choice.choose({LOCAL: (0.1, 1)}) for _ in range(400)]
+        probes = [i for i, p in enumerate(picks) if p == LOCAL]
+        gaps[other_rows] = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps[0] and all(g == PROBE_EVERY + 1 for g in gaps[0]), gaps[0]
+    assert gaps[7] and all(g >= 8 * (PROBE_EVERY + 1) * 0.5 for g in gaps[7]), gaps[7]
+    assert measured(7).probe_budget() == PROBE_BUDGET / 8
 
 
 def test_the_first_round_is_priced_with_the_load_the_prefill_saw() -> None:

@@ -39,6 +39,12 @@ DECAY = 0.9                # weight old counts keep per forward that guessed (me
 RELAX = 0.98               # ... per forward without guesses, drifting back toward the prior (memory ~50 forwards)
 PRIOR_HITS, PRIOR_TRIES = 1.0, 2.0
 PRIOR_FIT = Fit(0.25, 1, 0.0)   # the cost of an extra row until measured (compute-bound AVX2 Zen 1: ~0.45)
+# Guesses must raise the forward's tokens per second by this share, not merely break even: the per-size means that
+# price them move by a few percent with the host, and a session's rate drifts back to its prior of one in two. At 8
+# streams of the real pair (2-core Intel, int4) rows priced at break even made ahead steps carry ~0.4 guess rows a
+# forward, ~200 a pass of 4,096 tokens that found few tokens: the defaults 0.93-0.97x of target-only, against
+# 0.98-1.01x with no guesses at all.
+MARGIN = 0.05
 
 
 @dataclass
@@ -66,9 +72,10 @@ class GuessRate:
 def best_num_guesses(rate: float, fit: Fit, num_rows: int, max_guesses: int,
                      measured: Callable[[int], float | None] | None = None) -> int:
     """The g <= max_guesses with the most expected tokens per cost when the forward already runs num_rows tokens
-    (this session's pending token included), each worth a token. measured(n): the engine's recent forwards of n
-    tokens, in seconds (`ForwardCost.seconds`): a size's forwards price it, the line only the sizes between measured
-    ones (a row past the kernel's tile costs a fifth of the forward, not the line's fifteenth)."""
+    (this session's pending token included), each worth a token; none unless that beats no guess by MARGIN.
+    measured(n): the engine's recent forwards of n tokens, in seconds (`ForwardCost.seconds`): a size's forwards
+    price it where they are dearer than the line, the line only the sizes between measured ones (a row past the
+    kernel's tile costs a fifth of the forward, not the line's fifteenth)."""
     if max_guesses <= 0:
         return 0
     if fit == UNKNOWN:
@@ -90,11 +97,13 @@ def best_num_guesses(rate: float, fit: Fit, num_rows: int, max_guesses: int,
     now = seconds(num_rows)
 
     def growth(n: int) -> float:
-        """t(n) / t(num_rows)."""
+        """t(n) / t(num_rows): the measured sizes' where they price the rows dearer than the line (a kernel's tile
+        boundary), never cheaper (two sizes' means a few percent apart from the host's noise made rows look free)."""
+        line = cost(n) / cost(num_rows)
         then = seconds(n) if now else None
-        return then / now if now and then else cost(n) / cost(num_rows)
+        return max(line, then / now) if now and then else line
 
-    best, best_value = 0, 1.0
+    best, best_value = 0, 1.0 + MARGIN
     for g in range(1, min(max_guesses, MAX_GUESSES) + 1):
         value = (num_rows + sum(rate ** i for i in range(1, g + 1))) / num_rows / growth(num_rows + g)
         if value > best_value + 1e-9:
