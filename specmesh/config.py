@@ -123,12 +123,12 @@ class VerifierConfig:
     engine: EngineConfig = EngineConfig()
     max_draft_tokens: int = 64         # draft tokens per Verify (more: INVALID_ARGUMENT)
     decode_ahead_tokens: int = 8       # idle sessions decode up to this many tokens ahead (decode_ahead.py); 0 = off
-    decode_ahead_threads: int = 0      # torch threads of a step that only decodes ahead (1 on a host shared with the
-                                       # draft service: its core stays free); 0 = as any step
+    decode_ahead_threads: int = 0      # torch threads of a step that only decodes ahead while a draft is made (1
+                                       # beside a one-thread draft service: its core stays free); 0 = as any step
     decode_ahead_guesses: bool = True  # steps that decode ahead fill their free rows with prompt-lookup guesses
-    decode_ahead_beside_drafts: bool = True   # a session whose last verify carried the draft model's block decodes
-                                              # ahead too (false where the draft service shares the verifier's
-                                              # cores: it gets every one of them while it drafts)
+    decode_ahead_beside_drafts: bool = True   # a session whose caller drafted with the model in one of its last two
+                                              # verifies decodes ahead too (false where the draft service shares the
+                                              # verifier's cores: it gets every one of them while it drafts)
     batch_gather_ms: float = 20.0      # wait up to this (and 15% of the last forward) for the sessions it answered,
                                        # so concurrent streams share forwards (verifier_service/gather.py); 0 = off
     session_lease_s: float = 60.0      # no call for this long: the session is ended and its KV freed (> draft timeout)

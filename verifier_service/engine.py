@@ -167,8 +167,7 @@ class VerifierEngine(BatchedEngine[VerifyRequest]):
             raise EngineError("FAILED_PRECONDITION", f"session {msg.session_id} already has a verify in flight")
         self.gather.returned(msg.session_id, msg.done.submitted_at)
         self.scheduler.check_fits(len(msg.draft_ids) + 1)     # refused alike whether or not it needs a forward
-        session.drafting = bool(msg.draft_ids) and msg.model_drafts
-        session.verifies_since_model = 0 if session.drafting else session.verifies_since_model + 1
+        session.verifies_since_model = 0 if msg.draft_ids and msg.model_drafts else session.verifies_since_model + 1
         ahead_ids = session.seq.token_ids[session.num_delivered:]
         if not ahead_ids:
             self._enqueue_in_room(session, msg, msg.draft_ids, msg.draft_dists, msg.draft_parents)

@@ -21,7 +21,11 @@ class Session:
     busy: bool = False           # a request of this session is queued or running
     started: bool = False        # its first token was sampled
     num_delivered: int = 0       # token_ids[:num_delivered] were sent to the caller; the rest were decoded ahead
-    drafting: bool = False       # its last verify carried drafts (its caller is likely drafting now)
     verifies_since_model: int = 1 << 30   # its verifies since the last that carried the draft model's block
     speculative: bool = False    # its caller drafts for it (StartSessionRequest.speculative), in any one round or not
     guess_rate: GuessRate = field(default_factory=GuessRate)   # of its ahead steps' guesses
+
+    @property
+    def drafting(self) -> bool:
+        """Its last verify carried the draft model's block (its caller is likely drafting now)."""
+        return self.verifies_since_model == 0
