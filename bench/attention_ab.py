@@ -3,11 +3,13 @@ prompt rows late in an L-key prompt (one key list, tiles of rows) and one decode
 
     python -m bench.attention_ab --baseline-rev HEAD~1                   # R = 1 and 6 over 3,500 keys, 2 threads
     python -m bench.attention_ab --baseline-rev a02e831~1 --rows 6 --keys 2000,3500 --threads 1,2
+    python -m bench.attention_ab --baseline-rev HEAD --rows 1,4,12 --kv-dtypes float16,float32   # a half cache too
 
 Builds `specmesh/engine/attention_kernel.c` from this checkout and from `git show REV:...` (each beside its
-cpu_pool.h, through the engine's `cpu_build.library_path`), asserts the two give bit-identical outputs, then times
-them alternating call by call (median and best of --reps calls over every layer; the KV pools, ~200 MB at 3,500
-keys, exceed the caches as a real step's do).
+cpu_pool.h and, from the half cache on, attention_rows.h, through the engine's `cpu_build.library_path`), asserts
+the two give bit-identical outputs, then times them alternating call by call (median and best of --reps calls over
+every layer; the KV pools, ~200 MB at 3,500 keys, exceed the caches as a real step's do), over a float32 and/or a
+float16 KV cache (--kv-dtypes; a revision from before the half cache takes float32 only).
 Prints ms per step's attention and writes bench/results/attention-ab-*.json.
 """
 
@@ -35,21 +37,29 @@ LAYERS, HEADS, KV_HEADS, HEAD_DIM, DECODE_KEYS = 28, 12, 2, 128, 200
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
-def build(rev: str, out_dir: Path) -> ctypes.CDLL:
-    """attention_kernel.c with cpu_pool.h at `rev` ('' = this checkout), built by the engine's own builder (its
-    compiler and flags; cached by the source, headers and flags). Loaded apart from the engine's shared pool."""
+KERNEL_FILES = ("attention_kernel.c", "cpu_pool.h", "attention_rows.h")   # the last one from the half cache on
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def build(rev: str, out_dir: Path) -> tuple[ctypes.CDLL, bool]:
+    """attention_kernel.c with its headers at `rev` ('' = this checkout), built by the engine's own builder (its
+    compiler and flags; cached by the source, headers and flags), loaded apart from the engine's shared pool; and
+    whether it reads a half cache (sm_paged_attention's last argument, kv_half)."""
     source = ENGINE / "attention_kernel.c"
     if rev:
         out_dir.mkdir(parents=True)
-        for name in ("attention_kernel.c", "cpu_pool.h"):
-            (out_dir / name).write_text(subprocess.run(
-                ["git", "-C", str(ROOT), "show", f"{rev}:specmesh/engine/{name}"], capture_output=True, text=True,
-                check=True).stdout)
+        for name in KERNEL_FILES:
+            shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:specmesh/engine/{name}"],
+                                   capture_output=True, text=True)
+            if shown.returncode == 0:
+                (out_dir / name).write_text(shown.stdout)
         source = out_dir / "attention_kernel.c"
+    takes_half = (source.parent / "attention_rows.h").exists()
     lib = ctypes.CDLL(str(library_path(source)))
-    lib.sm_paged_attention.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, ctypes.c_int]
+    lib.sm_paged_attention.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, ctypes.c_int,
+                                       ctypes.c_int][:15 if takes_half else 14]
     lib.sm_row_tile.restype = ctypes.c_int
-    return lib
+    return lib, takes_half
 
 
 def step(num_rows: int, num_keys: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -62,8 +72,11 @@ def step(num_rows: int, num_keys: int) -> tuple[torch.Tensor, torch.Tensor, torc
     return torch.randn(num_rows + 1, HEADS, HEAD_DIM, generator=g), perm, starts, lengths
 
 
-def measure(libs: dict[str, ctypes.CDLL], num_rows: int, num_keys: int, threads: int, reps: int) -> dict[str, dict]:
-    layers = pools(LAYERS, num_keys + num_rows + DECODE_KEYS, KV_HEADS, HEAD_DIM)
+def measure(libs: dict[str, ctypes.CDLL], num_rows: int, num_keys: int, threads: int, reps: int,
+            kv_dtype: torch.dtype = torch.float32) -> dict[str, dict]:
+    layers = [(k.to(kv_dtype), v.to(kv_dtype)) for k, v in pools(LAYERS, num_keys + num_rows + DECODE_KEYS, KV_HEADS,
+                                                                   HEAD_DIM)]
+    kv_half = [int(kv_dtype == torch.float16)]         # the last argument, for kernels that take it
     query, slots, starts, lengths = step(num_rows, num_keys)
     row_tile = max(lib.sm_row_tile() for lib in libs.values())      # each kernel's scratch: a tile's probs a thread
     scratch = torch.empty(threads * row_tile * HEADS * (int(lengths.max()) + 1))
@@ -74,7 +87,8 @@ def measure(libs: dict[str, ctypes.CDLL], num_rows: int, num_keys: int, threads:
             out = torch.empty_like(query)
             lib.sm_paged_attention(query.data_ptr(), keys.data_ptr(), values.data_ptr(), slots.data_ptr(),
                                    starts.data_ptr(), lengths.data_ptr(), len(query), HEADS, KV_HEADS, HEAD_DIM,
-                                   HEAD_DIM ** -0.5, scratch.data_ptr(), out.data_ptr(), threads)
+                                   HEAD_DIM ** -0.5, scratch.data_ptr(), out.data_ptr(), threads,
+                                   *kv_half[:len(lib.sm_paged_attention.argtypes) - 14])
             outs.append(out)
         return outs
 
@@ -97,20 +111,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--keys", default="3500", help="the prompt's keys before its rows")
     p.add_argument("--threads", default="2")
     p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--kv-dtypes", default="float32", help="KV cache element types timed: float32, float16")
     p.add_argument("--name", default="attention-ab")
     args = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {args.baseline_rev: build(args.baseline_rev, Path(tmp) / "baseline"),
-                "this checkout": build("", Path(tmp) / "here")}
-        for num_keys in (int(k) for k in split_csv(args.keys)):
-            for num_rows in (int(r) for r in split_csv(args.rows)):
-                for threads in (int(t) for t in split_csv(args.threads)):
-                    times = measure(libs, num_rows, num_keys, threads, args.reps)
-                    rows.append({"keys": num_keys, "rows": num_rows, "threads": threads, "ms": times})
-                    log(f"{num_rows} row(s) over {num_keys} keys + a decode row, {threads} thread(s): " + "  ".join(
-                        f"{name} {t['median_ms']:.1f} ms (best {t['best_ms']:.1f})" for name, t in times.items())
-                        + "; bits identical")
+        built = {args.baseline_rev: build(args.baseline_rev, Path(tmp) / "baseline"),
+                 "this checkout": build("", Path(tmp) / "here")}
+        libs = {name: lib for name, (lib, _) in built.items()}
+        kv_dtypes = split_csv(args.kv_dtypes)
+        if "float16" in kv_dtypes and not all(takes_half for _, takes_half in built.values()):
+            p.error(f"{args.baseline_rev}'s kernel reads no half cache: --kv-dtypes float32")
+        for kv_name in kv_dtypes:
+            for num_keys in (int(k) for k in split_csv(args.keys)):
+                for num_rows in (int(r) for r in split_csv(args.rows)):
+                    for threads in (int(t) for t in split_csv(args.threads)):
+                        times = measure(libs, num_rows, num_keys, threads, args.reps, KV_DTYPES[kv_name])
+                        rows.append({"kv_dtype": kv_name, "keys": num_keys, "rows": num_rows, "threads": threads,
+                                     "ms": times})
+                        log(f"{kv_name} cache, {num_rows} row(s) over {num_keys} keys + a decode row, {threads} "
+                            "thread(s): " + "  ".join(f"{name} {t['median_ms']:.1f} ms (best {t['best_ms']:.1f})"
+                                                      for name, t in times.items()) + "; bits identical")
     json_path, _ = result_paths(args.name)
     write_json(json_path, {"meta": run_metadata(args), "rows": rows})
     return 0

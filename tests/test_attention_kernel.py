@@ -134,6 +134,34 @@ def test_chain_rows_in_tiles_are_bit_identical_to_rows_alone(num_new: int) -> No
     torch.testing.assert_close(tiled.double(), reference(query, keys, values, rows, 0.088), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 2, 128), (7, 1, 64), (4, 2, 24)])
+def test_a_head_gets_the_bits_it_gets_over_its_own_kv_head(heads: int, kv_heads: int, head_dim: int) -> None:
+    """The score pass reads a key once for a pair of query heads of its KV head (an odd head alone): each head's
+    scores are still its own FMA chains, so rows of a grouped model equal, bit for bit, those of the same query heads
+    each over its own copy of their KV head (every head alone), on each code path, in tiles and alone, any threads."""
+    g = torch.Generator().manual_seed(heads * head_dim + kv_heads)
+    keys, values = torch.randn(600, kv_heads, head_dim, generator=g), torch.randn(600, kv_heads, head_dim, generator=g)
+    group = heads // kv_heads
+    own_keys, own_values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    chain = torch.randperm(600, generator=g)[:530].to(torch.int32)
+    lengths = torch.tensor([1, 9, 300, *range(515, 530)])
+    query = torch.randn(len(lengths), heads, head_dim, generator=g) * 2
+
+    def rows(k: torch.Tensor, v: torch.Tensor, threads: int) -> torch.Tensor:
+        return attention_kernel.paged_attention(query, k, v, chain, torch.zeros(len(lengths), dtype=torch.long),
+                                                lengths, 529, head_dim ** -0.5, threads=threads)
+
+    initial = attention_kernel.code_path()
+    paths = attention_kernel.CODE_PATHS if initial == "avx512" else ("avx2",)
+    try:
+        for path in paths:
+            attention_kernel.code_path(path)
+            for threads in (1, 2):
+                assert torch.equal(rows(keys, values, threads), rows(own_keys, own_values, threads))
+    finally:
+        attention_kernel.code_path(initial)
+
+
 @pytest.mark.skipif(attention_kernel.supports(8, torch.float32) and attention_kernel.code_path() != "avx512",
                     reason="the CPU has no AVX-512")
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 2, 128), (14, 2, 64), (5, 1, 24), (3, 3, 8)])

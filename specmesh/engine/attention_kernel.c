@@ -53,17 +53,26 @@ static inline float hsum8(__m256 v) {
 #define PREFETCH_KEYS 8     /* key and value rows are asked for this many keys ahead, into L2: a 16-slot KV block spans 4
                                pages (1 KiB a slot for 2 KV heads of 128), too few for the hardware prefetcher */
 
-/* Lane k: the sum of v[k]'s 8 lanes, as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)). */
-static inline __m256 transpose_sum8(const __m256 *v) {
-    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
-    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
-    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+/* The first half of transpose_sum8 for four accumulators (keys 0-3 or 4-7 of a block): pairwise sums of each one's
+   lanes, interleaved. */
+static inline __m256 half_sum4(const __m256 *v) {
+    return _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+}
+
+/* Lane k: the sum of v[k]'s 8 lanes, as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)), from half_sum4 of keys 0-3 (u0)
+   and of keys 4-7 (u1). */
+static inline __m256 join_halves(__m256 u0, __m256 u1) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* scores[0 .. m) <- scale * (the lane sums of acc[0 .. SCORE_KEYS)) (transpose_sum8, then one multiply). */
-static inline void finish_scores(const __m256 *acc, int m, float scale, float *scores) {
-    const __m256 s = _mm256_mul_ps(transpose_sum8(acc), _mm256_set1_ps(scale));
+/* Lane k: the sum of v[k]'s 8 lanes (half_sum4 of each half of v, then join_halves). */
+static inline __m256 transpose_sum8(const __m256 *v) {
+    return join_halves(half_sum4(v), half_sum4(v + 4));
+}
+
+/* scores[0 .. m) <- scale * lanes of `sums` (a block's transposed sums). */
+static inline void store_scores(__m256 sums, int m, float scale, float *scores) {
+    const __m256 s = _mm256_mul_ps(sums, _mm256_set1_ps(scale));
     if (m == SCORE_KEYS) {
         _mm256_storeu_ps(scores, s);
     } else {
@@ -71,6 +80,11 @@ static inline void finish_scores(const __m256 *acc, int m, float scale, float *s
         _mm256_storeu_ps(lanes, s);
         for (int k = 0; k < m; k++) scores[k] = lanes[k];
     }
+}
+
+/* scores[0 .. m) <- scale * (the lane sums of acc[0 .. SCORE_KEYS)) (transpose_sum8, then one multiply). */
+static inline void finish_scores(const __m256 *acc, int m, float scale, float *scores) {
+    store_scores(transpose_sum8(acc), m, scale, scores);
 }
 
 /* probs [n] <- softmax numerators exp(s - max) of the scores in probs; returns their sum (8 lanes, in order). */

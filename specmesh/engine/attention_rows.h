@@ -37,6 +37,33 @@ static inline void KV(score_keys)(const float *q, const KV_T *key_cache, const i
     finish_scores(acc, m, scale, scores);
 }
 
+/* score_keys for two consecutive query heads of one KV head (q the first's row, the second's at q + d; the second's
+   scores at scores + probs_stride): each key vector is loaded (and, from a half cache, converted) once for both heads,
+   the score pass's bottleneck on a 256-bit core when every FMA had its own load and conversion. Keys go in two halves
+   of four (8 accumulators and 2 query vectors: 11 of AVX2's 16 registers), each half folded by half_sum4 as
+   transpose_sum8 folds it: every score's FMA chain and reduction are score_keys', so are its bits. */
+static inline void KV(score_key_pair)(const float *q, int64_t d, const KV_T *key_cache, const int32_t *slots, int m,
+                                      int64_t kv_stride, float scale, float *scores, int64_t probs_stride) {
+    const KV_T *rows[SCORE_KEYS];
+    __m256 halves[2][2];                                     /* [head][keys 0-3, keys 4-7] */
+    KV(key_rows)(key_cache, slots, m, kv_stride, rows);
+    for (int f = 0; f < 2; f++) {
+        __m256 acc[2][4];
+        for (int h = 0; h < 2; h++)
+            for (int k = 0; k < 4; k++) acc[h][k] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) {
+            const __m256 q0 = _mm256_loadu_ps(q + i), q1 = _mm256_loadu_ps(q + d + i);
+            for (int k = 0; k < 4; k++) {
+                const __m256 key = KV_LOAD8(rows[4 * f + k] + i);
+                acc[0][k] = _mm256_fmadd_ps(q0, key, acc[0][k]);
+                acc[1][k] = _mm256_fmadd_ps(q1, key, acc[1][k]);
+            }
+        }
+        for (int h = 0; h < 2; h++) halves[h][f] = half_sum4(acc[h]);
+    }
+    for (int h = 0; h < 2; h++) store_scores(join_halves(halves[h][0], halves[h][1]), m, scale, scores + h * probs_stride);
+}
+
 DEFINE_WEIGHTED_VALUES(KV(weighted_values), , KV_T, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, KV_LOAD8,
                        _mm256_storeu_ps, _mm256_set1_ps, _mm256_fmadd_ps)
 
@@ -124,8 +151,11 @@ typedef void (*KV(values_fn))(int nh, const KV_T *value_cache, const int32_t *sl
 
 static void KV(score_narrow)(const float *q, int nh, const KV_T *key_cache, const int32_t *slots, int m,
                              int64_t kv_stride, int64_t d, float scale, float *scores, int64_t probs_stride) {
-    for (int h = 0; h < nh; h++)
-        KV(score_keys)(q + h * d, key_cache, slots, m, kv_stride, d, scale, scores + h * probs_stride);
+    int h = 0;
+    for (; h + 1 < nh; h += 2)
+        KV(score_key_pair)(q + h * d, d, key_cache, slots, m, kv_stride, scale, scores + h * probs_stride,
+                           probs_stride);
+    if (h < nh) KV(score_keys)(q + h * d, key_cache, slots, m, kv_stride, d, scale, scores + h * probs_stride);
 }
 
 static WIDE_TARGET void KV(score_wide)(const float *q, int nh, const KV_T *key_cache, const int32_t *slots, int m,
