@@ -37,31 +37,33 @@ static inline void KV(score_keys)(const float *q, const KV_T *key_cache, const i
     finish_scores(acc, m, scale, scores);
 }
 
-/* score_keys for two consecutive query heads of one KV head (q the first's row, the second's at q + d; the second's
-   scores at scores + probs_stride): each key vector is loaded (and, from a half cache, converted) once for both heads,
-   the score pass's bottleneck on a 256-bit core when every FMA had its own load and conversion. Keys go in two halves
-   of four (8 accumulators and 2 query vectors: 11 of AVX2's 16 registers), each half folded by half_sum4 as
-   transpose_sum8 folds it: every score's FMA chain and reduction are score_keys', so are its bits. */
-static inline void KV(score_key_pair)(const float *q, int64_t d, const KV_T *key_cache, const int32_t *slots, int m,
-                                      int64_t kv_stride, float scale, float *scores, int64_t probs_stride) {
+/* score_keys for nh (2 or 3) consecutive query heads of one KV head (head h's row at q + h * d, its scores at scores +
+   h * probs_stride): each key vector is loaded (and, from a half cache, converted) once for the nh heads, where every
+   FMA had had its own load and conversion, the score pass's bottleneck on a 256-bit core. Keys go in two halves of
+   four (3 x 4 accumulators and a key; the query vectors are read from L1 as the FMAs' memory operands), each half
+   folded by half_sum4 as transpose_sum8 folds it: every score's FMA chain and reduction are score_keys', so are its
+   bits. A step's attention for 4 and 12 prompt rows over 3,500 keys and a decode row, half cache, 2-core Zen 3
+   (`python -m bench.attention_ab --kv-dtypes float16`): 0.77x and 0.73x of one head at a time (pairs: 0.84x, 0.80x). */
+static inline __attribute__((always_inline)) void KV(score_key_heads)(
+        const int nh, const float *q, int64_t d, const KV_T *key_cache, const int32_t *slots, int m, int64_t kv_stride,
+        float scale, float *scores, int64_t probs_stride) {
     const KV_T *rows[SCORE_KEYS];
-    __m256 halves[2][2];                                     /* [head][keys 0-3, keys 4-7] */
+    __m256 halves[3][2];                                     /* [head][keys 0-3, keys 4-7] */
     KV(key_rows)(key_cache, slots, m, kv_stride, rows);
     for (int f = 0; f < 2; f++) {
-        __m256 acc[2][4];
-        for (int h = 0; h < 2; h++)
+        __m256 acc[3][4];
+        for (int h = 0; h < nh; h++)
             for (int k = 0; k < 4; k++) acc[h][k] = _mm256_setzero_ps();
         for (int64_t i = 0; i < d; i += 8) {
-            const __m256 q0 = _mm256_loadu_ps(q + i), q1 = _mm256_loadu_ps(q + d + i);
             for (int k = 0; k < 4; k++) {
                 const __m256 key = KV_LOAD8(rows[4 * f + k] + i);
-                acc[0][k] = _mm256_fmadd_ps(q0, key, acc[0][k]);
-                acc[1][k] = _mm256_fmadd_ps(q1, key, acc[1][k]);
+                for (int h = 0; h < nh; h++) acc[h][k] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + i), key, acc[h][k]);
             }
         }
-        for (int h = 0; h < 2; h++) halves[h][f] = half_sum4(acc[h]);
+        for (int h = 0; h < nh; h++) halves[h][f] = half_sum4(acc[h]);
     }
-    for (int h = 0; h < 2; h++) store_scores(join_halves(halves[h][0], halves[h][1]), m, scale, scores + h * probs_stride);
+    for (int h = 0; h < nh; h++)
+        store_scores(join_halves(halves[h][0], halves[h][1]), m, scale, scores + h * probs_stride);
 }
 
 DEFINE_WEIGHTED_VALUES(KV(weighted_values), , KV_T, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, KV_LOAD8,
@@ -141,8 +143,8 @@ static inline __attribute__((always_inline)) WIDE_TARGET void KV(values_block_wi
                             out + d - 8, d);
 }
 
-/* Scores of `nh` (1, 2, or 6 where max_score_heads says so) consecutive query heads of one KV head for m keys; their
-   rows of probs are probs_stride apart. */
+/* Scores of `nh` (1, 2, or 6: the 256-bit code takes 6 as two triples) consecutive query heads of one KV head for m
+   keys; their rows of probs are probs_stride apart. */
 typedef void (*KV(score_fn))(const float *q, int nh, const KV_T *key_cache, const int32_t *slots, int m,
                              int64_t kv_stride, int64_t d, float scale, float *scores, int64_t probs_stride);
 /* The value pass of one key block for nh (1 .. HEAD_TILE) query heads of one KV head. */
@@ -152,9 +154,12 @@ typedef void (*KV(values_fn))(int nh, const KV_T *value_cache, const int32_t *sl
 static void KV(score_narrow)(const float *q, int nh, const KV_T *key_cache, const int32_t *slots, int m,
                              int64_t kv_stride, int64_t d, float scale, float *scores, int64_t probs_stride) {
     int h = 0;
+    for (; h + 2 < nh; h += 3)
+        KV(score_key_heads)(3, q + h * d, d, key_cache, slots, m, kv_stride, scale, scores + h * probs_stride,
+                            probs_stride);
     for (; h + 1 < nh; h += 2)
-        KV(score_key_pair)(q + h * d, d, key_cache, slots, m, kv_stride, scale, scores + h * probs_stride,
-                           probs_stride);
+        KV(score_key_heads)(2, q + h * d, d, key_cache, slots, m, kv_stride, scale, scores + h * probs_stride,
+                            probs_stride);
     if (h < nh) KV(score_keys)(q + h * d, key_cache, slots, m, kv_stride, d, scale, scores + h * probs_stride);
 }
 
@@ -181,7 +186,7 @@ static WIDE_TARGET void KV(values_wide)(int nh, const KV_T *value_cache, const i
 }
 
 typedef struct { KV(score_fn) score; KV(values_fn) values; int max_score_heads; } KV(row_kernels_t);  /* heads a call */
-static const KV(row_kernels_t) KV(NARROW) = {KV(score_narrow), KV(values_narrow), 2},
+static const KV(row_kernels_t) KV(NARROW) = {KV(score_narrow), KV(values_narrow), 6},
                                KV(WIDE) = {KV(score_wide), KV(values_wide), 6};
 
 /* Rows that share one key list (a chain's new tokens: row r sees its first row_len[r] keys of `slots`) over their
