@@ -57,7 +57,8 @@ static inline __attribute__((always_inline)) void KV(score_key_heads)(
         for (int64_t i = 0; i < d; i += 8) {
             for (int k = 0; k < 4; k++) {
                 const __m256 key = KV_LOAD8(rows[4 * f + k] + i);
-                for (int h = 0; h < nh; h++) acc[h][k] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + i), key, acc[h][k]);
+                for (int h = 0; h < nh; h++)
+                    acc[h][k] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + i), key, acc[h][k]);
             }
         }
         for (int h = 0; h < nh; h++) halves[h][f] = half_sum4(acc[h]);
