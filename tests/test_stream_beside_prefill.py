@@ -95,6 +95,7 @@ async def test_a_stream_is_answered_every_step_while_a_near_context_prompt_prefi
                  if a["specmesh.batch.num_decode_tokens"] and a["specmesh.batch.num_prefill_tokens"]]
         assert len(mixed) >= steps // 2
         assert all(a["specmesh.step.time_bound_s"] > 0 for a in mixed)
+        assert all(0 < a["specmesh.step.estimated_s"] <= a["specmesh.step.time_bound_s"] for a in mixed)
         assert max(a["specmesh.step.max_prefill_wait_s"] for a in mixed) > 0
         # ... and how long their compute threads waited for a core (Linux schedstat), also a counter.
         if os.path.exists("/proc/self/schedstat"):

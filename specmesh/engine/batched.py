@@ -180,6 +180,9 @@ class BatchedEngine(EngineThread, Generic[R]):
         attributes = {"specmesh.step.max_prefill_wait_s": longest}
         if bound is not None:
             attributes["specmesh.step.time_bound_s"] = bound
+        estimated = self.scheduler.last_step.estimated_s
+        if estimated is not None:
+            attributes["specmesh.step.estimated_s"] = estimated
         return attributes
 
     def finish_batch(self, requests: list[R], logits: torch.Tensor) -> None:

@@ -56,6 +56,7 @@ class StepStats:
     bound_s: float | None = None  # the step's time bound (None: token budget only)
     blocked: bool = False         # a request found no KV room: newer ones waited behind it
     in_arrival_order: bool = False  # oldest first: the oldest prefill found no KV room last step, or one slot
+    estimated_s: float | None = None  # what the step budget's cost model expected the step to take (bounded steps)
 
 
 def num_context_tokens(item: ScheduledItem[Any]) -> int:

@@ -194,8 +194,10 @@ class Scheduler(Generic[R]):
             self._fill(plan, prefills, bound, idle_seqs)
             self._fill(plan, decodes, bound, idle_seqs)       # decodes deferred by the prefill's reserve
         self._oldest_blocked = bool(prefills) and plan.stop == plan.queue.index(prefills[0])
+        num_tokens = self.max_num_batched_tokens - plan.tokens_left
+        estimated = self.step_budget.seconds(num_tokens, plan.num_pairs) if bound is not None and num_tokens else None
         self.last_step = StepStats(plan.tokens(decode=True), plan.tokens(decode=False), bound,
-                                   plan.stop is not None, in_order)
+                                   plan.stop is not None, in_order, estimated)
         return plan.batch, plan.failed
 
     def _last_floor_pos(self, req: R) -> int:
