@@ -1,6 +1,7 @@
 """Issue 12 end to end: prompts near the context limit (prefilled in chunks over a small step budget) beside many
-short drafted streams with random draft lengths, and a few cancels. No request fails, greedy outputs equal
-target-only greedy decoding, and every KV block comes back. Also: a fault in one draft session stays there."""
+short drafted streams with random draft lengths, and a few cancels, on a float32 verifier and on an int8 one over
+the half KV cache. No request fails, greedy outputs equal target-only greedy decoding, and every KV block comes
+back. Also: a fault in one draft session stays there."""
 
 from __future__ import annotations
 
@@ -48,23 +49,49 @@ async def cancel_after_first_token(addr: str, prompt: str, max_new_tokens: int) 
         call.cancel()
 
 
-async def test_near_context_prefills_beside_drafted_streams(tokenizer) -> None:
+async def quantized_target_only(jobs: list[tuple[list[int], int]], **engine: object) -> list[list[int]]:
+    """Greedy target-only decoding of each (prompt ids, n) alone, one token a forward, on a verifier of its own built
+    like the one under test (the same quantized numerics and KV cache type)."""
+    verifier = await start_verifier(decode_ahead_tokens=0, **engine)
+    try:
+        outputs = []
+        for i, (prompt_ids, n) in enumerate(jobs):
+            output = list((await verifier.engine.start_session(f"ref{i}", prompt_ids, SamplingParams()).future)
+                          .token_ids)
+            while len(output) < n:
+                output += (await verifier.engine.verify(f"ref{i}", [], None).future).token_ids
+            verifier.engine.end_session(f"ref{i}")
+            outputs.append(output[:n])
+        return outputs
+    finally:
+        await verifier.stop()
+
+
+@pytest.mark.parametrize("numerics", [{}, {"dtype": "int8", "kv_cache_dtype": "float16"}],
+                         ids=["float32", "int8-half-cache"])
+async def test_near_context_prefills_beside_drafted_streams(tokenizer, numerics: dict[str, str]) -> None:
+    """float32: outputs equal transformers' greedy decoding. int8 on the default half KV cache (what a quantized
+    verifier runs out of the box): outputs equal that verifier's own target-only greedy decoding, each prompt alone,
+    though here the long prompts are prefilled in chunks beside drafted streams, in trees and blocks of random k."""
     rng = random.Random(12)
+    preamble = " ".join(rng.choice(WORDS) for _ in range(60))      # shared: prefix-cache hits between them
+    long_jobs = [(near_context_prompt(tokenizer, rng, preamble, MAX_MODEL_LEN - 20 - i), 16 + i) for i in range(3)]
+    short_jobs = [(PROMPTS[i % len(PROMPTS)] + " " + rng.choice(WORDS), rng.randint(12, 40)) for i in range(12)]
+    jobs = long_jobs + short_jobs
+    assert all(len(tokenizer(p)["input_ids"]) > 3 * STEP_BUDGET for p, _ in long_jobs)
+    if numerics:
+        expected = await quantized_target_only([(tokenizer(p)["input_ids"], n) for p, n in jobs],
+                                               max_model_len=MAX_MODEL_LEN, block_size=8, **numerics)
+    else:
+        expected = [reference_greedy(tokenizer(p)["input_ids"], n) for p, n in jobs]
     verifier = await start_verifier(max_num_batched_tokens=STEP_BUDGET, max_model_len=MAX_MODEL_LEN, block_size=8,
-                                    decode_ahead_tokens=8)
+                                    decode_ahead_tokens=8, **numerics)
     same, unrelated = await start_draft("tiny-draft"), await start_draft("tiny-draft-unrelated")
     gateways = [await start_gateway(verifier.addr, same.addr), await start_gateway(verifier.addr, unrelated.addr),
                 # the shipped drafting: suffix drafting's choice, its draft prefill after the verifier's, the load term
                 await start_gateway(verifier.addr, same.addr, suffix_drafting=True, enable_cache=True,
                                     draft_host_share=0.5)]
     try:
-        preamble = " ".join(rng.choice(WORDS) for _ in range(60))      # shared: prefix-cache hits between them
-        long_jobs = [(near_context_prompt(tokenizer, rng, preamble, MAX_MODEL_LEN - 20 - i), 16 + i)
-                     for i in range(3)]
-        short_jobs = [(PROMPTS[i % len(PROMPTS)] + " " + rng.choice(WORDS), rng.randint(12, 40)) for i in range(12)]
-        jobs = long_jobs + short_jobs
-        assert all(len(tokenizer(p)["input_ids"]) > 3 * STEP_BUDGET for p, _ in long_jobs)
-        expected = [reference_greedy(tokenizer(p)["input_ids"], n) for p, n in jobs]
         runs = [generate(gateways[i % 3].addr, p, max_new_tokens=n, ignore_eos=True,
                          num_draft_tokens=rng.randint(0, 16)) for i, (p, n) in enumerate(jobs)]
         cancels = [cancel_after_first_token(gateways[0].addr, long_jobs[0][0], 20),
