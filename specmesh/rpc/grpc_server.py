@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specmesh.rpc.heap import freeze_start_up_heap
 from specmesh.rpc.rpc_guard import RefusalHook, RpcGuard, status_code
 from specmesh.telemetry.metrics import MetricsServer
 from specmesh.telemetry.tracing import server_interceptors
@@ -129,6 +130,7 @@ class ServiceServer:
 
 async def serve_until_signal(server: ServiceServer, host: str, port: int, on_stop: Callable[[], None],
                              grace_s: float = 10.0) -> None:
+    log.info("%s", freeze_start_up_heap())       # a service process, built: its model leaves the collector's walks
     bound = await server.start(host, port)
     log.info("serving %s on %s:%d", ", ".join(server.service_names), host, bound)
     print(f"ready: {', '.join(server.service_names)} on {host}:{bound}", flush=True)
