@@ -1,14 +1,13 @@
 """Keeps Python's cyclic garbage collector off what a service built at start-up.
 
-A model service holds ~390k objects the collector tracks once it is built (torch modules and parameters, the
-transformers config and tokenizer, gRPC): a full (oldest-generation) collection walks all of them, ~180-195 ms for
-the 1.5B int4 verifier on a 2-core Zen 3, with the GIL held, on whichever Python thread allocated last. For that
-long the engine thread stops between two kernels and a core is taken from the step's compute threads, so every
-stream in that step stalls. It comes rarely (once the objects surviving since the last one reach a quarter of the
-heap), once or twice in a few minutes of serving: the rare 100-200 ms gaps beside a long prompt, whose threads had
-waited 70-130 ms for a core while every other process of the stack was idle. gc.freeze() after start-up moves those
-objects to a permanent generation no collection visits (as vLLM's and SGLang's servers do after loading a model);
-what requests allocate later is collected as before.
+A model service holds ~400k objects the collector tracks once it is built (torch modules and parameters, the
+transformers config and tokenizer, gRPC): a full (oldest-generation) collection walks all of them, 150-195 ms for
+the 1.5B int4 verifier, the draft service and the gateway alike on a 2-core Zen 3, with the GIL held, on whichever
+Python thread allocated last. For that long the engine thread stops between two kernels and a core is taken from
+the step's compute threads: one stall of every stream in that step. Such a collection comes rarely (once the
+objects surviving since the last one reach a quarter of the heap), but its cost grows with the model. gc.freeze()
+after start-up moves those objects to a permanent generation no collection visits (as vLLM's and SGLang's servers do
+after loading a model), so a full collection walks only what serving allocated since; that is collected as before.
 """
 
 from __future__ import annotations
