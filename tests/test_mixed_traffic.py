@@ -72,7 +72,7 @@ async def quantized_target_only(jobs: list[tuple[list[int], int]], **engine: obj
 async def test_near_context_prefills_beside_drafted_streams(tokenizer, numerics: dict[str, str]) -> None:
     """float32: outputs equal transformers' greedy decoding. int8 on the default half KV cache (what a quantized
     verifier runs out of the box): outputs equal that verifier's own target-only greedy decoding, each prompt alone,
-    though here the long prompts are prefilled in chunks beside drafted streams, in trees and blocks of random k."""
+    though here the long prompts are prefilled in chunks beside streams drafted in blocks of random k."""
     rng = random.Random(12)
     preamble = " ".join(rng.choice(WORDS) for _ in range(60))      # shared: prefix-cache hits between them
     long_jobs = [(near_context_prompt(tokenizer, rng, preamble, MAX_MODEL_LEN - 20 - i), 16 + i) for i in range(3)]
