@@ -24,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -41,10 +42,18 @@ KERNEL_FILES = ("attention_kernel.c", "cpu_pool.h", "attention_rows.h")   # the 
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
-def build(rev: str, out_dir: Path) -> tuple[ctypes.CDLL, bool]:
+class Kernel(NamedTuple):
+    lib: ctypes.CDLL
+    takes_half: bool      # reads a half cache: sm_paged_attention takes a last argument, kv_half
+
+    def attend(self, *args: object, kv_half: bool) -> None:
+        self.lib.sm_paged_attention(*args, *([int(kv_half)] if self.takes_half else []))
+
+
+def build(rev: str, out_dir: Path) -> Kernel:
     """attention_kernel.c with its headers at `rev` ('' = this checkout), built by the engine's own builder (its
     compiler and flags; cached by the source, headers and flags), loaded apart from the engine's shared pool; and
-    whether it reads a half cache (sm_paged_attention's last argument, kv_half)."""
+    whether it reads a half cache."""
     source = ENGINE / "attention_kernel.c"
     if rev:
         out_dir.mkdir(parents=True)
@@ -57,9 +66,9 @@ def build(rev: str, out_dir: Path) -> tuple[ctypes.CDLL, bool]:
     takes_half = (source.parent / "attention_rows.h").exists()
     lib = ctypes.CDLL(str(library_path(source)))
     lib.sm_paged_attention.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, ctypes.c_int,
-                                       ctypes.c_int][:15 if takes_half else 14]
+                                       *([ctypes.c_int] if takes_half else [])]
     lib.sm_row_tile.restype = ctypes.c_int
-    return lib, takes_half
+    return Kernel(lib, takes_half)
 
 
 def step(num_rows: int, num_keys: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,34 +81,32 @@ def step(num_rows: int, num_keys: int) -> tuple[torch.Tensor, torch.Tensor, torc
     return torch.randn(num_rows + 1, HEADS, HEAD_DIM, generator=g), perm, starts, lengths
 
 
-def measure(libs: dict[str, ctypes.CDLL], num_rows: int, num_keys: int, threads: int, reps: int,
+def measure(kernels: dict[str, Kernel], num_rows: int, num_keys: int, threads: int, reps: int,
             kv_dtype: torch.dtype = torch.float32) -> dict[str, dict]:
     layers = [(k.to(kv_dtype), v.to(kv_dtype)) for k, v in pools(LAYERS, num_keys + num_rows + DECODE_KEYS, KV_HEADS,
                                                                    HEAD_DIM)]
-    kv_half = [int(kv_dtype == torch.float16)]         # the last argument, for kernels that take it
     query, slots, starts, lengths = step(num_rows, num_keys)
-    row_tile = max(lib.sm_row_tile() for lib in libs.values())      # each kernel's scratch: a tile's probs a thread
+    row_tile = max(k.lib.sm_row_tile() for k in kernels.values())      # each kernel's scratch: a tile's probs a thread
     scratch = torch.empty(threads * row_tile * HEADS * (int(lengths.max()) + 1))
 
-    def run(lib: ctypes.CDLL) -> list[torch.Tensor]:
+    def run(kernel: Kernel) -> list[torch.Tensor]:
         outs = []
         for keys, values in layers:
             out = torch.empty_like(query)
-            lib.sm_paged_attention(query.data_ptr(), keys.data_ptr(), values.data_ptr(), slots.data_ptr(),
-                                   starts.data_ptr(), lengths.data_ptr(), len(query), HEADS, KV_HEADS, HEAD_DIM,
-                                   HEAD_DIM ** -0.5, scratch.data_ptr(), out.data_ptr(), threads,
-                                   *kv_half[:len(lib.sm_paged_attention.argtypes) - 14])
+            kernel.attend(query.data_ptr(), keys.data_ptr(), values.data_ptr(), slots.data_ptr(), starts.data_ptr(),
+                          lengths.data_ptr(), len(query), HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5,
+                          scratch.data_ptr(), out.data_ptr(), threads, kv_half=kv_dtype == torch.float16)
             outs.append(out)
         return outs
 
-    first, *others = [run(lib) for lib in libs.values()]
+    first, *others = [run(kernel) for kernel in kernels.values()]
     for outs in others:
         assert all(torch.equal(a, b) for a, b in zip(first, outs, strict=True)), "the kernels' bits differ"
-    seconds: dict[str, list[float]] = {name: [] for name in libs}
+    seconds: dict[str, list[float]] = {name: [] for name in kernels}
     for _ in range(reps):
-        for name, lib in libs.items():
+        for name, kernel in kernels.items():
             started = time.perf_counter()
-            run(lib)
+            run(kernel)
             seconds[name].append(time.perf_counter() - started)
     return {name: {"median_ms": statistics.median(ts) * 1e3, "best_ms": min(ts) * 1e3} for name, ts in seconds.items()}
 
@@ -116,17 +123,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        built = {args.baseline_rev: build(args.baseline_rev, Path(tmp) / "baseline"),
-                 "this checkout": build("", Path(tmp) / "here")}
-        libs = {name: lib for name, (lib, _) in built.items()}
+        kernels = {args.baseline_rev: build(args.baseline_rev, Path(tmp) / "baseline"),
+                   "this checkout": build("", Path(tmp) / "here")}
         kv_dtypes = split_csv(args.kv_dtypes)
-        if "float16" in kv_dtypes and not all(takes_half for _, takes_half in built.values()):
+        if "float16" in kv_dtypes and not all(k.takes_half for k in kernels.values()):
             p.error(f"{args.baseline_rev}'s kernel reads no half cache: --kv-dtypes float32")
         for kv_name in kv_dtypes:
             for num_keys in (int(k) for k in split_csv(args.keys)):
                 for num_rows in (int(r) for r in split_csv(args.rows)):
                     for threads in (int(t) for t in split_csv(args.threads)):
-                        times = measure(libs, num_rows, num_keys, threads, args.reps, KV_DTYPES[kv_name])
+                        times = measure(kernels, num_rows, num_keys, threads, args.reps, KV_DTYPES[kv_name])
                         rows.append({"kv_dtype": kv_name, "keys": num_keys, "rows": num_rows, "threads": threads,
                                      "ms": times})
                         log(f"{kv_name} cache, {num_rows} row(s) over {num_keys} keys + a decode row, {threads} "
